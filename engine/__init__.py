@@ -1,0 +1,1 @@
+"""longctx engine: model loading, paged KV cache, attention backends and serving loop."""

@@ -1,0 +1,223 @@
+"""The decoder: one forward pass over a flat batch of tokens from many sequences.
+
+Llama, Mistral, Qwen2 and Qwen3 (and their MoE variants, whose sparse block lives in
+`engine/moe.py`) share this structure; their differences are config flags (q/k/v bias,
+q/k norm, sliding windows, the MLP kind per layer). Projections are fused (QKV, gate+up);
+the checkpoint's separate tensors are loaded into slices of them (`shard_specs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
+from engine.rope import RotaryEmbedding, apply_rotary
+
+# A destination inside a packed parameter: `param.data[index]`.
+ShardIndex = tuple[int | slice, ...]
+
+
+def set_shards(module: nn.Module, param: str, specs: dict[object, ShardIndex]) -> None:
+    """Declare the checkpoint tensors a packed parameter (`module.<param>`) is assembled from.
+
+    Kept on the module, not the parameter: materialising a meta model replaces parameters.
+    """
+    table: dict[str, dict[object, ShardIndex]] = module.__dict__.setdefault("shard_specs", {})
+    table[param] = specs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = D = config.head_dim
+        self.window = config.window(layer)
+        q_size, kv_size = config.num_heads * D, config.num_kv_heads * D
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
+        parts = {"q": (slice(0, q_size),), "k": (slice(q_size, q_size + kv_size),)}
+        parts["v"] = (slice(q_size + kv_size, q_size + 2 * kv_size),)
+        set_shards(self.qkv_proj, "weight", parts)
+        if self.qkv_proj.bias is not None:
+            set_shards(self.qkv_proj, "bias", parts)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; writes this layer's new K/V into `cache`."""
+        T = x.shape[0]
+        D = self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
+        q, k, v = qkv.split([self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
+        q = q.view(T, self.num_heads, D)
+        k = k.view(T, self.num_kv_heads, D)
+        v = v.view(T, self.num_kv_heads, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = backend.forward(self.layer, q, k, v, cache, self.window)  # [T, H, D]
+        return self.o_proj(o.reshape(T, self.num_heads * D))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        I = intermediate_size  # noqa: E741
+        set_shards(self.gate_up_proj, "weight", {"gate": (slice(0, I),), "up": (slice(I, 2 * I),)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
+    """The feed-forward block of a layer: dense, or sparse MoE for MoE configs."""
+    if config.moe is not None and layer not in config.moe.dense_layers:
+        from engine.moe import SparseMoE
+
+        return SparseMoE(config)
+    return DenseMLP(config.hidden_size, config.intermediate_size)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = make_mlp(config, layer)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Parameter names follow transformers' (`model.layers.N...`, `lm_head`) but for the fused
+    projections; `checkpoint_name_map` translates checkpoint names to (parameter, shard)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rope = RotaryEmbedding(config)
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (after building on the meta device)."""
+        device = self.model.embed_tokens.weight.device
+        self.rope = RotaryEmbedding(self.config).to(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One step.
+
+        Args:
+            input_ids: [T] int64, the step's new tokens, sequences concatenated.
+            meta: the batch description (positions, pages); `backend` must be planned with it.
+            kv_caches: per layer `[num_pages, 2, page_size, KVH, D]`.
+            logits_indices: [N] rows of the batch whose logits are wanted (None = all).
+        Returns:
+            [N, vocab] float32 logits.
+        """
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rope.cos_sin(meta.positions, x.dtype)
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos_sin, cache, backend)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = self.model.norm(x)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()
+
+    def shard_specs(self) -> dict[str, dict[object, ShardIndex]]:
+        """Packed parameters by full name, each with its parts' destinations."""
+        out = {}
+        for mname, module in self.named_modules():
+            for pname, specs in module.__dict__.get("shard_specs", {}).items():
+                out[f"{mname}.{pname}" if mname else pname] = specs
+        return out
+
+    def checkpoint_name_map(self) -> Callable[[str], tuple[str, object] | None]:
+        """A function from a checkpoint tensor name to (our parameter name, shard key or None),
+        or None for a tensor this model does not use."""
+        packed = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+            "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+            "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+            "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+            "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+        }
+        params = dict(self.named_parameters())
+        moe_maps = {
+            name: module.checkpoint_name_map
+            for name, module in self.named_modules()
+            if hasattr(module, "checkpoint_name_map") and module is not self
+        }
+
+        def mapped(name: str) -> tuple[str, object] | None:
+            for prefix, fn in moe_maps.items():
+                if name.startswith(prefix + "."):
+                    hit = fn(name[len(prefix) + 1 :])
+                    if hit is not None:
+                        return prefix + "." + hit[0], hit[1]
+            for src, (dst, shard) in packed.items():
+                marker = "." + src + "."
+                if marker in name:
+                    target = name.replace(marker, "." + dst + ".")
+                    return (target, shard) if target in params else None
+            return (name, None) if name in params else None
+
+        return mapped

@@ -1,0 +1,51 @@
+"""Runs one forward pass for a batch of sequence chunks over the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.model import CausalLM
+from kvstore.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One sequence's share of a step: `token_ids` are its next tokens, computed at positions
+    `kv_len - len(token_ids) .. kv_len - 1`; `page_table` holds pages for `kv_len` tokens."""
+
+    token_ids: list[int]
+    page_table: list[int]
+    kv_len: int
+
+
+class ModelRunner:
+    """Owns the model, its KV tensors and the attention backend; one `run` = one forward pass."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, backend: AttentionBackend):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = model.model.embed_tokens.weight.device
+        self.num_forward_calls = 0
+        self.num_tokens_computed = 0
+
+    @torch.inference_mode()
+    def run(self, chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
+        """Returns float32 logits: [B, V] for each chunk's last token, or [T, V] for every token."""
+        meta = AttentionMetadata.build(
+            [c.page_table for c in chunks],
+            [len(c.token_ids) for c in chunks],
+            [c.kv_len for c in chunks],
+            self.kv_cache.spec.page_size,
+            self.device,
+        )
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
+        logits_indices = None if all_logits else meta.qo_indptr[1:].to(torch.int64) - 1
+        self.backend.plan(meta)
+        logits = self.model(ids, meta, self.kv_cache.layers, self.backend, logits_indices)
+        self.num_forward_calls += 1
+        self.num_tokens_computed += meta.num_tokens
+        return logits

@@ -1,0 +1,189 @@
+"""Loading a checkpoint into the model, tensor by tensor, with verification and statistics.
+
+Sources (safetensors directories, GGUF files) yield `SourceTensor`s under transformers'
+names; the model maps each name to a parameter (or a slice of a packed one). The model is
+built on the meta device and materialised empty, so peak memory is the model plus one
+tensor in flight. After loading, every parameter slice must have been filled exactly once
+and no checkpoint tensor may be left unused; errors name the file, tensor and shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import xxhash
+from tqdm import tqdm
+
+from engine.config import ModelConfig
+from engine.model import CausalLM
+from engine.safetensors_file import CheckpointError, checkpoint_files, read_header, read_tensor
+
+log = logging.getLogger("longctx.weights")
+
+# Tensors some checkpoints carry that no model here needs.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str  # transformers' parameter name
+    shape: tuple[int, ...]
+    nbytes: int  # bytes read from storage
+    file: str
+    read: Callable[[], torch.Tensor]
+
+
+class TensorSource(Protocol):
+    description: str
+
+    def tensors(self) -> Iterator[SourceTensor]: ...
+
+
+class SafetensorsSource:
+    """A directory with `config.json` and one or more `*.safetensors` files."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.description = str(directory)
+        self.files = checkpoint_files(directory)
+        self.entries = [e for f in self.files for e in read_header(f)]
+
+    def tensors(self) -> Iterator[SourceTensor]:
+        for e in self.entries:
+            yield SourceTensor(e.name, e.shape, e.nbytes, str(e.file), lambda e=e: read_tensor(e))
+
+
+@dataclass
+class LoadStats:
+    bytes_read: int = 0
+    num_tensors: int = 0
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+    fingerprint: str = ""  # xxh3-128 over every tensor's name and bytes, order-independent
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items())
+        return (
+            f"loaded {self.num_tensors} tensors, {self.bytes_read / 1e6:.1f} MB in {self.seconds:.2f}s "
+            f"({self.gb_per_s:.2f} GB/s; {phases})"
+        )
+
+
+def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    """The model with uninitialised parameters of `dtype` on `device` (nothing computed)."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to(dtype).to_empty(device=device)
+    model.init_buffers()
+    return model
+
+
+def load_weights(
+    model: CausalLM, source: TensorSource, *, progress: bool | None = None, stats: LoadStats | None = None
+) -> LoadStats:
+    """Fill `model`'s parameters from `source`. Raises CheckpointError on any mismatch."""
+    stats = stats or LoadStats()
+    t0 = time.perf_counter()
+    params = dict(model.named_parameters())
+    mapping = model.checkpoint_name_map()
+    shard_specs = model.shard_specs()
+    loaded: dict[str, set[object]] = {name: set() for name in params}
+    digests: list[bytes] = []
+    unexpected: list[str] = []
+    tensors = list(source.tensors())
+    total = sum(t.nbytes for t in tensors)
+    bar = tqdm(
+        total=total, unit="B", unit_scale=True, desc="loading weights", disable=None if progress is None else not progress
+    )
+    tied = model.config.tie_word_embeddings
+    read_s = 0.0
+    for t in tensors:
+        target = mapping(t.name)
+        if target is None:
+            if t.name.endswith(IGNORED_SUFFIXES) or (tied and t.name == "lm_head.weight"):
+                bar.update(t.nbytes)
+                continue
+            unexpected.append(f"{t.name} (in {t.file})")
+            continue
+        pname, shard = target
+        param = params[pname]
+        specs = shard_specs.get(pname)
+        if shard is not None and (specs is None or shard not in specs):
+            raise CheckpointError(f"{t.file}: tensor {t.name!r} maps to unknown part {shard!r} of {pname}")
+        dest = param.data[specs[shard]] if shard is not None else param.data
+        if tuple(dest.shape) != tuple(t.shape):
+            raise CheckpointError(
+                f"{t.file}: tensor {t.name!r} has shape {list(t.shape)}, the model expects {list(dest.shape)}"
+            )
+        if shard in loaded[pname]:
+            raise CheckpointError(f"{t.file}: tensor {t.name!r} appears twice in the checkpoint")
+        r0 = time.perf_counter()
+        value = t.read()
+        read_s += time.perf_counter() - r0
+        digests.append(_digest(t.name, value))
+        dest.copy_(value.to(dest.dtype))
+        loaded[pname].add(shard)
+        stats.bytes_read += t.nbytes
+        stats.num_tensors += 1
+        bar.update(t.nbytes)
+        del value
+    bar.close()
+    if unexpected:
+        raise CheckpointError(
+            f"{source.description}: {len(unexpected)} unexpected tensor(s) the model has no parameter for: "
+            + ", ".join(unexpected[:5])
+        )
+    missing = []
+    for name, param in params.items():
+        expected = set(shard_specs.get(name, {None: ()}).keys())
+        for shard in sorted(expected - loaded[name], key=str):
+            missing.append(name if shard is None else f"{name} (part {shard})")
+    if missing:
+        raise CheckpointError(
+            f"{source.description}: {len(missing)} tensor(s) missing from the checkpoint: " + ", ".join(missing[:5])
+        )
+    h = xxhash.xxh3_128()
+    for d in sorted(digests):
+        h.update(d)
+    stats.fingerprint = h.hexdigest()
+    elapsed = time.perf_counter() - t0
+    stats.phases["read"] = stats.phases.get("read", 0.0) + read_s
+    stats.phases["copy"] = stats.phases.get("copy", 0.0) + elapsed - read_s
+    stats.seconds += elapsed
+    return stats
+
+
+def _digest(name: str, value: torch.Tensor) -> bytes:
+    h = xxhash.xxh3_128(name.encode())
+    h.update(value.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+    return h.digest()
+
+
+def load_model(
+    config: ModelConfig,
+    source: TensorSource,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    *,
+    progress: bool | None = None,
+) -> tuple[CausalLM, LoadStats]:
+    """Build the model and load its weights. Returns (model in eval mode, statistics)."""
+    stats = LoadStats()
+    t0 = time.perf_counter()
+    model = build_empty(config, dtype, device)
+    stats.phases["build"] = time.perf_counter() - t0
+    stats.seconds = stats.phases["build"]
+    load_weights(model, source, progress=progress, stats=stats)
+    model.eval()
+    log.info("%s: %s", source.description, stats.summary())
+    return model, stats

@@ -1,0 +1,36 @@
+"""The KV tensors: one paged tensor per layer, sized from a byte budget."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.spec import KVSpec
+
+
+class KVCache:
+    """Per layer a tensor `[num_pages, 2, page_size, num_kv_heads, head_dim]`.
+
+    Args:
+        spec: layout (layers, heads, head dim, page size, dtype).
+        num_pages: pages per layer; use `KVCache.from_budget` to derive it from bytes.
+        device: where the tensors live.
+    """
+
+    def __init__(self, spec: KVSpec, num_pages: int, device: torch.device | str = "cpu"):
+        if num_pages < 1:
+            raise ValueError(
+                f"the KV budget holds no page: one page of this model takes {spec.bytes_per_page} bytes"
+            )
+        self.spec = spec
+        self.num_pages = num_pages
+        dtype = getattr(torch, spec.dtype)
+        shape = (num_pages, 2, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+
+    @classmethod
+    def from_budget(cls, spec: KVSpec, num_bytes: int, device: torch.device | str = "cpu") -> KVCache:
+        return cls(spec, spec.pages_in_budget(num_bytes), device)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_pages * self.spec.bytes_per_page

@@ -1,0 +1,1 @@
+"""Conversation state in Redis (items, responses, events) and compaction."""

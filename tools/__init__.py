@@ -1,0 +1,1 @@
+"""Structured output and tool calls: grammars, schemas, call parsing."""
