@@ -50,9 +50,7 @@ class RopeConfig:
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
-            raise UnsupportedModel(
-                f"unsupported RoPE scaling type {self.type!r}; supported: {', '.join(ROPE_TYPES)}"
-            )
+            raise UnsupportedModel(f"unsupported RoPE scaling type {self.type!r}; supported: {', '.join(ROPE_TYPES)}")
 
 
 @dataclass(frozen=True)
@@ -94,13 +92,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModel(
-                f"unsupported architecture {self.architecture!r}; supported: "
-                + ", ".join(SUPPORTED_ARCHITECTURES)
+                f"unsupported architecture {self.architecture!r}; supported: " + ", ".join(SUPPORTED_ARCHITECTURES)
             )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModel(
-                f"num_attention_heads ({self.num_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})"
+                f"num_attention_heads ({self.num_heads}) is not a multiple of num_key_value_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2:
             raise UnsupportedModel(f"head_dim must be even for RoPE, got {self.head_dim}")
@@ -127,10 +123,18 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModel(
-                f"{config_file}: unsupported architecture {archs!r}; supported: "
-                + ", ".join(SUPPORTED_ARCHITECTURES)
+                f"{config_file}: unsupported architecture {archs!r}; supported: " + ", ".join(SUPPORTED_ARCHITECTURES)
             )
-        hf = AutoConfig.from_pretrained(str(path))
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if rope_type not in ROPE_TYPES:
+            raise UnsupportedModel(
+                f"{config_file}: unsupported RoPE scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+            )
+        try:
+            hf = AutoConfig.from_pretrained(str(path))
+        except (ValueError, KeyError, TypeError) as e:
+            raise UnsupportedModel(f"{config_file}: invalid config: {e}") from e
         return cls.from_hf(hf.to_dict() | {"architectures": archs})
 
     @classmethod
@@ -168,7 +172,8 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             rope=rope,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+            attention_bias=arch == "Qwen2ForCausalLM"
+            or (arch == "Qwen2MoeForCausalLM" and bool(d.get("qkv_bias", True)))
             or bool(d.get("attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             moe=_moe_from_hf(arch, d, num_layers),
@@ -189,7 +194,7 @@ def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
         raise UnsupportedModel("partial_rotary_factor != 1 is not supported")
     return RopeConfig(
         theta=float(theta),
-        type=rtype,
+        type=str(rtype),
         factor=float(p.get("factor") or 1.0),
         original_max_position_embeddings=p.get("original_max_position_embeddings"),
         low_freq_factor=float(p.get("low_freq_factor", 1.0)),
@@ -206,24 +211,27 @@ def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
 def _moe_from_hf(arch: str, d: dict[str, Any], num_layers: int) -> MoEConfig | None:
     if arch not in MOE_ARCHITECTURES:
         return None
+    # Qwen3-MoE's config maps `num_experts` to `num_local_experts` (attribute_map), so its
+    # `to_dict()` and the config.json transformers writes carry only the latter.
+    num_experts = d.get("num_experts") or d.get("num_local_experts")
+    if not num_experts:
+        raise UnsupportedModel(f"{arch}: the config gives no number of experts")
     if arch == "MixtralForCausalLM":
         return MoEConfig(
-            num_experts=d["num_local_experts"],
+            num_experts=num_experts,
             top_k=d["num_experts_per_tok"],
             intermediate_size=d["intermediate_size"],
             norm_topk_prob=True,
         )
     step = d.get("decoder_sparse_step", 1) or 1
     only = set(d.get("mlp_only_layers") or [])
-    dense = tuple(
-        i for i in range(num_layers) if i in only or not (d["num_experts"] > 0 and (i + 1) % step == 0)
-    )
+    dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step != 0)
     return MoEConfig(
-        num_experts=d["num_experts"],
+        num_experts=num_experts,
         top_k=d["num_experts_per_tok"],
         intermediate_size=d["moe_intermediate_size"],
         norm_topk_prob=bool(d.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM")),
-        shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0
+        shared_expert_intermediate_size=(d.get("shared_expert_intermediate_size") or 0)
         if arch == "Qwen2MoeForCausalLM"
         else 0,
         dense_layers=dense,
@@ -231,15 +239,33 @@ def _moe_from_hf(arch: str, d: dict[str, Any], num_layers: int) -> MoEConfig | N
 
 
 def _windows_from_hf(arch: str, d: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer windows as transformers 5.24 applies them (key `kv_idx > q_idx - window`: a
+    query at position p sees keys p-window+1 .. p).
+
+    Mistral/Mixtral: `sliding_window` on every layer. Llama ignores the field. The Qwen
+    family needs `use_sliding_window` (otherwise transformers sets the window to None/0);
+    then Qwen3-MoE windows every layer, and Qwen2/Qwen3/Qwen2-MoE follow `layer_types`,
+    whose default differs: Qwen2/Qwen3 window layers `i >= max_window_layers`, Qwen2-MoE
+    the even layers `i < max_window_layers`.
+    """
     window = d.get("sliding_window")
-    if not window:
+    if not window or arch == "LlamaForCausalLM":
         return ()
-    if arch.startswith("Qwen"):
-        if not d.get("use_sliding_window", False):
-            return ()
-        layer_types = d.get("layer_types")
-        if layer_types:
-            return tuple(window if t == "sliding_attention" else None for t in layer_types)
-        mwl = d.get("max_window_layers", num_layers)
-        return tuple(window if i >= mwl else None for i in range(num_layers))
-    return tuple(window for _ in range(num_layers))
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return tuple(window for _ in range(num_layers))
+    if not d.get("use_sliding_window", False):
+        return ()
+    if arch == "Qwen3MoeForCausalLM":
+        return tuple(window for _ in range(num_layers))
+    layer_types = d.get("layer_types")
+    if layer_types:
+        if len(layer_types) != num_layers:
+            raise UnsupportedModel(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise UnsupportedModel(f"unsupported layer_types {sorted(unknown)}")
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    mwl = d.get("max_window_layers", 28)  # transformers' default
+    if arch == "Qwen2MoeForCausalLM":
+        return tuple(window if i % 2 == 0 and i < mwl else None for i in range(num_layers))
+    return tuple(window if i >= mwl else None for i in range(num_layers))

@@ -77,7 +77,10 @@ def load(
     tokenizer = Tokenizer.load(source, config.eos_token_ids)
     stats.phases = {"resolve+config": t_config, **stats.phases, "tokenizer": time.perf_counter() - t1}
     log.info(
-        "model %s (%s, %s) ready: %s", source.name, config.architecture, str(torch_dtype).replace("torch.", ""),
+        "model %s (%s, %s) ready: %s",
+        source.name,
+        config.architecture,
+        str(torch_dtype).replace("torch.", ""),
         stats.summary(),
     )
     return LoadedModel(source, config, model, tokenizer, torch_dtype, stats)

@@ -8,7 +8,7 @@ the checkpoint's separate tensors are loaded into slices of them (`shard_specs`)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -21,14 +21,17 @@ from engine.rope import RotaryEmbedding, apply_rotary
 # A destination inside a packed parameter: `param.data[index]`.
 ShardIndex = tuple[int | slice, ...]
 
+# Older spellings of module paths in checkpoints, rewritten before mapping a name.
+CHECKPOINT_RENAMES = ((".block_sparse_moe.", ".mlp."),)  # Mixtral as saved by transformers
 
-def set_shards(module: nn.Module, param: str, specs: dict[object, ShardIndex]) -> None:
+
+def set_shards(module: nn.Module, param: str, specs: Mapping[object, ShardIndex]) -> None:
     """Declare the checkpoint tensors a packed parameter (`module.<param>`) is assembled from.
 
     Kept on the module, not the parameter: materialising a meta model replaces parameters.
     """
     table: dict[str, dict[object, ShardIndex]] = module.__dict__.setdefault("shard_specs", {})
-    table[param] = specs
+    table[param] = dict(specs)
 
 
 class RMSNorm(nn.Module):
@@ -57,8 +60,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
-        parts = {"q": (slice(0, q_size),), "k": (slice(q_size, q_size + kv_size),)}
-        parts["v"] = (slice(q_size + kv_size, q_size + 2 * kv_size),)
+        parts: dict[object, ShardIndex] = {
+            "q": (slice(0, q_size),),
+            "k": (slice(q_size, q_size + kv_size),),
+            "v": (slice(q_size + kv_size, q_size + 2 * kv_size),),
+        }
         set_shards(self.qkv_proj, "weight", parts)
         if self.qkv_proj.bias is not None:
             set_shards(self.qkv_proj, "bias", parts)
@@ -92,8 +98,9 @@ class DenseMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        I = intermediate_size  # noqa: E741
-        set_shards(self.gate_up_proj, "weight", {"gate": (slice(0, I),), "up": (slice(I, 2 * I),)})
+        I = intermediate_size
+        parts: dict[object, ShardIndex] = {"gate": (slice(0, I),), "up": (slice(I, 2 * I),)}
+        set_shards(self.gate_up_proj, "weight", parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
@@ -208,6 +215,8 @@ class CausalLM(nn.Module):
         }
 
         def mapped(name: str) -> tuple[str, object] | None:
+            for old, new in CHECKPOINT_RENAMES:
+                name = name.replace(old, new)
             for prefix, fn in moe_maps.items():
                 if name.startswith(prefix + "."):
                     hit = fn(name[len(prefix) + 1 :])

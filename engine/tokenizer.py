@@ -39,7 +39,10 @@ class Tokenizer:
         return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         out = self.hf.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -56,7 +57,7 @@ class SafetensorsSource:
 
     def tensors(self) -> Iterator[SourceTensor]:
         for e in self.entries:
-            yield SourceTensor(e.name, e.shape, e.nbytes, str(e.file), lambda e=e: read_tensor(e))
+            yield SourceTensor(e.name, e.shape, e.nbytes, str(e.file), partial(read_tensor, e))
 
 
 @dataclass
@@ -103,7 +104,11 @@ def load_weights(
     tensors = list(source.tensors())
     total = sum(t.nbytes for t in tensors)
     bar = tqdm(
-        total=total, unit="B", unit_scale=True, desc="loading weights", disable=None if progress is None else not progress
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="loading weights",
+        disable=None if progress is None else not progress,
     )
     tied = model.config.tie_word_embeddings
     read_s = 0.0
@@ -120,13 +125,16 @@ def load_weights(
         specs = shard_specs.get(pname)
         if shard is not None and (specs is None or shard not in specs):
             raise CheckpointError(f"{t.file}: tensor {t.name!r} maps to unknown part {shard!r} of {pname}")
-        dest = param.data[specs[shard]] if shard is not None else param.data
+        dest = param.data[specs[shard]] if specs is not None and shard is not None else param.data
         if tuple(dest.shape) != tuple(t.shape):
             raise CheckpointError(
                 f"{t.file}: tensor {t.name!r} has shape {list(t.shape)}, the model expects {list(dest.shape)}"
             )
         if shard in loaded[pname]:
             raise CheckpointError(f"{t.file}: tensor {t.name!r} appears twice in the checkpoint")
+        if loaded[pname] and (shard is None or None in loaded[pname]):
+            # A packed parameter comes whole (fused checkpoint tensor) or in parts, never both.
+            raise CheckpointError(f"{t.file}: tensor {t.name!r} overlaps another tensor loaded into {pname}")
         r0 = time.perf_counter()
         value = t.read()
         read_s += time.perf_counter() - r0
@@ -144,8 +152,10 @@ def load_weights(
             + ", ".join(unexpected[:5])
         )
     missing = []
-    for name, param in params.items():
+    for name in params:
         expected = set(shard_specs.get(name, {None: ()}).keys())
+        if None in loaded[name]:
+            continue  # loaded whole: covers every part
         for shard in sorted(expected - loaded[name], key=str):
             missing.append(name if shard is None else f"{name} (part {shard})")
     if missing:

@@ -18,9 +18,7 @@ class KVCache:
 
     def __init__(self, spec: KVSpec, num_pages: int, device: torch.device | str = "cpu"):
         if num_pages < 1:
-            raise ValueError(
-                f"the KV budget holds no page: one page of this model takes {spec.bytes_per_page} bytes"
-            )
+            raise ValueError(f"the KV budget holds no page: one page of this model takes {spec.bytes_per_page} bytes")
         self.spec = spec
         self.num_pages = num_pages
         dtype = getattr(torch, spec.dtype)

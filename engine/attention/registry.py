@@ -26,9 +26,7 @@ def choose_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def make_backend(
-    name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
-) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
     resolved = choose_backend(name, device)
     if resolved == "flashinfer":
         from engine.attention.flashinfer import FlashInferBackend  # imported lazily: CUDA only

@@ -1,0 +1,136 @@
+"""Differential tests of the dense decoder against transformers, on tiny random checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.generate import greedy_generate
+from kvstore.block_pool import BlockPool
+from tests.tiny_models import build_tiny, make_runner, reference_logits, rel_error, run_chunked, run_mixed_step
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
+    "llama-default-untied": (LlamaConfig, LlamaForCausalLM, {}),
+    "llama-tied-mha": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "llama-linear": (LlamaConfig, LlamaForCausalLM, {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}),
+    "llama-dynamic": (LlamaConfig, LlamaForCausalLM, {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}),
+    "llama-llama3": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {"rope_parameters": LLAMA3 | {"original_max_position_embeddings": 64}},
+    ),
+    "llama-yarn": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
+    ),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None, "head_dim": 24}),
+    "qwen2-bias": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+    "qwen3-qknorm": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
+    "qwen3-yarn": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
+    ),
+}
+PROMPT_LENGTHS = (7, 23, 45)
+THRESHOLD = 1e-4
+
+
+def _pin_dynamic_rope(ref: Any) -> None:
+    """Our `dynamic` is transformers' dynamic NTK evaluated once at max_position x factor;
+    transformers recomputes it per call from the sequence length, so pin its table to that."""
+    cfg = ref.config
+    seq_len = int(cfg.max_position_embeddings * cfg.rope_parameters["factor"])
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](cfg, None, seq_len=seq_len)
+    rotary = ref.model.rotary_emb
+    rotary.inv_freq = inv_freq
+    rotary.original_inv_freq = inv_freq
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    config_cls, model_cls, kwargs = CASES[request.param]
+    t = build_tiny(config_cls, model_cls, tmp_path_factory.mktemp(request.param), **kwargs)
+    if request.param == "llama-dynamic":
+        _pin_dynamic_rope(t.ref)
+    return t
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def test_logits_match_transformers(tiny: Any) -> None:
+    runner = make_runner(tiny.config, tiny.model)
+    pool = BlockPool(runner.kv_cache.num_pages)
+    for ids in _prompts(tiny.config.vocab_size):
+        ref = reference_logits(tiny.ref, ids)
+        for chunk in (len(ids), 5, 1):
+            err = rel_error(run_chunked(runner, pool, ids, chunk), ref)
+            assert err < THRESHOLD, f"chunk={chunk} len={len(ids)}: error {err:.2e}"
+    assert pool.num_free == pool.num_pages
+
+
+def test_mixed_prefill_and_decode_step(tiny: Any) -> None:
+    runner = make_runner(tiny.config, tiny.model)
+    pool = BlockPool(runner.kv_cache.num_pages)
+    prompts = _prompts(tiny.config.vocab_size)
+    prompts = [prompts[2], prompts[0], prompts[1]]  # the long one prefills while two decode
+    split = 20
+    outs = run_mixed_step(runner, pool, prompts, split)
+    ref0 = reference_logits(tiny.ref, prompts[0])[split:]
+    assert rel_error(outs[0], ref0) < THRESHOLD
+    for p, out in zip(prompts[1:], outs[1:], strict=True):
+        assert rel_error(out, reference_logits(tiny.ref, p)[-1:]) < THRESHOLD
+
+
+def test_greedy_tokens_match_transformers(tiny: Any) -> None:
+    runner = make_runner(tiny.config, tiny.model)
+    pool = BlockPool(runner.kv_cache.num_pages)
+    prompts = _prompts(tiny.config.vocab_size)
+    ours = greedy_generate(runner, pool, prompts, max_tokens=32)
+    tiny.ref.generation_config.eos_token_id = None
+    tiny.ref.generation_config.pad_token_id = 0
+    for ids, out in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            ref = tiny.ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32)
+        assert out == ref[0, len(ids) :].tolist()
+    assert pool.num_free == pool.num_pages
+
+
+def test_sharded_checkpoint_loads_identically(tmp_path: Path) -> None:
+    whole = build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path / "whole", vocab_size=4000)
+    sharded = build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path / "sharded", vocab_size=4000, max_shard_size="300KB")
+    assert (sharded.path / "model.safetensors.index.json").exists()
+    for (n1, p1), (n2, p2) in zip(whole.model.named_parameters(), sharded.model.named_parameters(), strict=True):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dtype_conversion(tmp_path: Path, dtype: torch.dtype) -> None:
+    from engine.weights import SafetensorsSource, load_model
+
+    t = build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path)
+    model, _ = load_model(t.config, SafetensorsSource(t.path), dtype, progress=False)
+    assert all(p.dtype == dtype for p in model.parameters())
+    ids = _prompts(t.config.vocab_size)[1]
+    runner = make_runner(t.config, model)
+    err = rel_error(run_chunked(runner, BlockPool(runner.kv_cache.num_pages), ids, 8), reference_logits(t.ref, ids))
+    assert err < 3e-2

@@ -1,0 +1,117 @@
+"""Tiny random transformers models, saved and reloaded by our loader, and ways to run them.
+
+Shared by the differential tests: each builds a reference model with transformers, saves
+it with `save_pretrained`, loads it with `engine.weights`, and compares logits computed
+through our paged runner against transformers' full-sequence forward without cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention.torch_paged import TorchPagedBackend
+from engine.config import ModelConfig
+from engine.model import CausalLM
+from engine.model_runner import Chunk, ModelRunner
+from engine.weights import SafetensorsSource, load_model
+from kvstore.block_pool import BlockPool
+from kvstore.kv_cache import KVCache
+from kvstore.spec import KVSpec
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=160,
+    max_position_embeddings=512,
+)
+
+
+@dataclass
+class TinyModel:
+    ref: Any  # the transformers model (float32, eval)
+    path: Path
+    config: ModelConfig
+    model: CausalLM
+
+
+def build_tiny(
+    config_cls: type, model_cls: type, tmp: Path, *, seed: int = 0, max_shard_size: str | None = None, **kwargs: Any
+) -> TinyModel:
+    """Random transformers model from `config_cls(**SMALL | kwargs)`, saved and loaded back by us."""
+    torch.manual_seed(seed)
+    hf_config = config_cls(**(SMALL | kwargs))
+    ref = model_cls(hf_config).eval()
+    _randomize_norms(ref)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    ref.save_pretrained(tmp, **save_kwargs)
+    config = ModelConfig.from_pretrained_dir(tmp)
+    model, _ = load_model(config, SafetensorsSource(tmp), torch.float32, progress=False)
+    return TinyModel(ref, tmp, config, model)
+
+
+def _randomize_norms(ref: Any) -> None:
+    """transformers initialises norm weights to ones; random ones catch a missed norm."""
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+
+
+def reference_logits(ref: Any, ids: list[int]) -> torch.Tensor:
+    """transformers' full-sequence forward, no cache: [T, V] float32."""
+    with torch.no_grad():
+        return ref(torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """The error measure used everywhere: max|ours - ref| / max|ref|."""
+    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def make_runner(config: ModelConfig, model: CausalLM, num_pages: int = 256, page_size: int = 16) -> ModelRunner:
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    spec = KVSpec(config.num_layers, config.num_kv_heads, config.head_dim, page_size, dtype)
+    return ModelRunner(
+        model, KVCache(spec, num_pages), TorchPagedBackend(config.num_heads, config.num_kv_heads, config.head_dim)
+    )
+
+
+def run_chunked(runner: ModelRunner, pool: BlockPool, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits for every position, computing `chunk` tokens per step (chunk >= len(ids) = one step)."""
+    page_size = runner.kv_cache.spec.page_size
+    pages = pool.allocate(-(-len(ids) // page_size))
+    try:
+        outs = []
+        for start in range(0, len(ids), chunk):
+            part = ids[start : start + chunk]
+            outs.append(runner.run([Chunk(part, pages, start + len(part))], all_logits=True))
+        return torch.cat(outs)
+    finally:
+        pool.free(pages)
+
+
+def run_mixed_step(runner: ModelRunner, pool: BlockPool, prompts: list[list[int]], split: int) -> list[torch.Tensor]:
+    """Prompt 0 prefills in two chunks; prompts 1.. are prefilled except their last token. Then one
+    step computes prompt 0's second chunk together with the others' last (decode) token.
+    Returns, per prompt, the logits of the tokens computed in that mixed step."""
+    page_size = runner.kv_cache.spec.page_size
+    tables = [pool.allocate(-(-len(p) // page_size)) for p in prompts]
+    try:
+        first = [Chunk(prompts[0][:split], tables[0], split)]
+        first += [Chunk(p[:-1], t, len(p) - 1) for p, t in zip(prompts[1:], tables[1:], strict=True)]
+        runner.run(first)
+        mixed = [Chunk(prompts[0][split:], tables[0], len(prompts[0]))]
+        mixed += [Chunk(p[-1:], t, len(p)) for p, t in zip(prompts[1:], tables[1:], strict=True)]
+        logits = runner.run(mixed, all_logits=True)
+        sizes = [len(c.token_ids) for c in mixed]
+        return list(logits.split(sizes))
+    finally:
+        for t in tables:
+            pool.free(t)
