@@ -34,37 +34,50 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine.attention.registry import make_backend
-    from engine.generate import greedy_generate
+    from engine.engine import Engine, EngineConfig
     from engine.loader import load
-    from engine.model_runner import ModelRunner
-    from kvstore.block_pool import BlockPool
-    from kvstore.kv_cache import KVCache
-    from kvstore.spec import KVSpec
+    from engine.sampling_params import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+    )
+    config = EngineConfig(
+        kv_cache_bytes=args.kv_cache_bytes,
+        page_size=args.page_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend,
+    )
     loaded = load(args.model, args.dtype, args.device)
-    cfg, tok = loaded.config, loaded.tokenizer
+    tok = loaded.tokenizer
     if args.chat:
         prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tok.encode(args.prompt)
-    dtype_name = str(loaded.dtype).replace("torch.", "")
-    spec = KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.page_size, dtype_name)
-    cache = KVCache.from_budget(spec, args.kv_cache_bytes, args.device)
-    backend = make_backend(
-        args.attention_backend, torch.device(args.device), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    )
-    runner = ModelRunner(loaded.model, cache, backend)
+    engine = Engine(loaded.model, tok, config)
     log = logging.getLogger("longctx.generate")
-    log.info("KV cache: %d pages of %d tokens (%.1f MB)", cache.num_pages, args.page_size, cache.num_bytes / 1e6)
     t0 = time.perf_counter()
-    (out,) = greedy_generate(runner, BlockPool(cache.num_pages), [prompt_ids], args.max_tokens, tok.eos_token_ids)
-    dt = time.perf_counter() - t0
-    log.info("%d prompt tokens, %d generated in %.2fs", len(prompt_ids), len(out), dt)
-    sys.stdout.write(tok.decode(out, skip_special_tokens=True) + "\n")
+    handle = engine.add_request(prompt_ids, params)
+    n = 0
+    with engine:
+        for out in handle:
+            n += len(out.token_ids)
+            if out.text_delta:
+                sys.stdout.write(out.text_delta)
+                sys.stdout.flush()
+            if out.error:
+                log.error("%s", out.error)
+    sys.stdout.write("\n")
     sys.stdout.flush()
+    dt = time.perf_counter() - t0
+    log.info("%d prompt tokens, %d generated in %.2fs (%.1f tokens/s)", len(prompt_ids), n, dt, n / dt if dt else 0)
     return 0
 
 
@@ -91,7 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="apply the chat template with a generation prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", nargs="+", default=None, help="stop strings (never printed)")
     gen.set_defaults(func=_generate)
 
     models = sub.add_parser("models", help="manage models under $LONGCTX_HOME/models")

@@ -31,6 +31,8 @@ class ModelRunner:
         self.device = model.model.embed_tokens.weight.device
         self.num_forward_calls = 0
         self.num_tokens_computed = 0
+        self.num_mixed_steps = 0  # steps whose batch held prefill chunks and decode tokens together
+        self.last_plan: tuple[int, int] = (0, 0)  # (prefill chunks, decode tokens) of the last pass
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
@@ -48,4 +50,8 @@ class ModelRunner:
         logits = self.model(ids, meta, self.kv_cache.layers, self.backend, logits_indices)
         self.num_forward_calls += 1
         self.num_tokens_computed += meta.num_tokens
+        decodes = sum(1 for q in meta.q_lens if q == 1)
+        self.last_plan = (len(chunks) - decodes, decodes)
+        if decodes and decodes < len(chunks):
+            self.num_mixed_steps += 1
         return logits

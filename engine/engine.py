@@ -1,0 +1,312 @@
+"""The serving loop: requests in, streamed tokens out, many requests per forward pass.
+
+`step()` is schedule -> run -> sample -> postprocess. `run_forever()` steps on its own
+thread; `add_request` and `abort` may be called from any thread or from async code: they
+post to an inbox the step thread drains between steps, so the loop owns all its state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention.registry import make_backend
+from engine.config import ModelConfig
+from engine.grammar import GrammarHook, Matcher, new_bitmask
+from engine.kv_connector import KVConnector, NoConnector
+from engine.model import CausalLM
+from engine.model_runner import Chunk, ModelRunner
+from engine.parallel import SINGLE, ParallelContext
+from engine.request import (
+    ContextTooLong,
+    FinishReason,
+    Request,
+    RequestHandle,
+    RequestOutput,
+    TokenLogprob,
+)
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk, Scheduler
+from engine.tokenizer import Tokenizer
+from kvstore.block_pool import BlockPool
+from kvstore.kv_cache import KVCache
+from kvstore.spec import KVSpec
+
+log = logging.getLogger("longctx.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_cache_bytes: int = 1 << 30
+    page_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    attention_backend: str = "auto"
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    threads: int = 0  # CPU threads for torch (0 = leave torch's default)
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+    ttft_s: list[float] = field(default_factory=list)  # per request, time to first token
+
+
+class Engine:
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer | None,
+        config: EngineConfig | None = None,
+        *,
+        parallel: ParallelContext = SINGLE,
+        connector: KVConnector | None = None,
+        grammar_hook: GrammarHook | None = None,
+    ):
+        self.model = model
+        self.model_config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self.config = config = config or EngineConfig()
+        self.parallel = parallel
+        self.connector = connector or NoConnector()
+        self.grammar_hook = grammar_hook or GrammarHook()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        mc = self.model_config
+        device = model.model.embed_tokens.weight.device
+        dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
+        self.kv_spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.page_size, dtype)
+        self.kv_cache = KVCache.from_budget(self.kv_spec, config.kv_cache_bytes, device)
+        self.pool = BlockPool(self.kv_cache.num_pages)
+        backend = make_backend(config.attention_backend, device, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        self.runner = ModelRunner(model, self.kv_cache, backend)
+        self.scheduler = Scheduler(self.pool, config.page_size, config.max_num_batched_tokens, config.max_num_seqs)
+        self.sampler = Sampler()
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else mc.eos_token_ids)
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        log.info(
+            "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %s); backend %s",
+            self.kv_cache.num_pages, config.page_size, self.capacity_tokens, self.kv_cache.num_bytes / 1e6,
+            dtype, backend.name,
+        )  # fmt: skip
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.kv_cache.num_pages * self.config.page_size
+
+    # ---- the caller's side (any thread) ----
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str = "",
+        matcher: Matcher | None = None,
+    ) -> RequestHandle:
+        """Queue a request; raises ContextTooLong at once if it can never fit."""
+        params = params or SamplingParams()
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids: the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt_token_ids: token ids must be in [0, {vocab})")
+        needed = len(prompt_token_ids) + params.max_tokens
+        if needed > self.max_model_len:
+            raise ContextTooLong(needed, self.max_model_len, "model's context")
+        if needed > self.capacity_tokens:
+            raise ContextTooLong(needed, self.capacity_tokens, "KV cache capacity")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer")
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        handle = RequestHandle(rid, self.abort)
+        req = Request(rid, list(prompt_token_ids), params, handle, cache_salt=cache_salt, matcher=matcher)
+        if self.tokenizer is not None:
+            from engine.detokenizer import IncrementalDetokenizer, StopChecker
+
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.skip_special_tokens)
+            req.stopper = StopChecker(params.stop)
+        self._inbox.put(("add", req))
+        self._wake.set()
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; safe from any thread and from async code (never blocks)."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    # ---- the loop (engine thread) ----
+
+    def step(self) -> bool:
+        """One step: schedule -> run -> sample -> postprocess. Returns False when idle."""
+        self._drain_inbox()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return False
+        logits = self._run(chunks)
+        sampled = [i for i, c in enumerate(chunks) if c.sample]
+        if sampled:
+            self._sample_and_emit([chunks[i].request for i in sampled], logits[sampled])
+        self.stats.steps += 1
+        return True
+
+    def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        batch = []
+        for c in chunks:
+            r = c.request
+            end = r.num_computed + c.num_tokens
+            batch.append(Chunk(r.tokens(r.num_computed, end), r.pages, end))
+            if r.num_computed < len(r.prompt_ids):
+                self.stats.prompt_tokens_computed += min(end, len(r.prompt_ids)) - r.num_computed
+        logits = self.runner.run(batch)  # [B, V]
+        for c in chunks:
+            c.request.num_computed += c.num_tokens
+        return logits
+
+    def _sample_and_emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        bitmask = None
+        matchers = [r.matcher for r in reqs]
+        if any(m is not None for m in matchers):
+            bitmask = new_bitmask(len(reqs), logits.shape[-1])
+            self.grammar_hook.fill(matchers, bitmask)
+        out = self.sampler(
+            logits, [r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs], bitmask
+        )
+        for r, tok, lp in zip(reqs, out.token_ids, out.logprobs, strict=True):
+            top = None
+            if lp is not None:
+                top = [TokenLogprob(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))]
+            self._postprocess(r, tok, top)
+
+    def _postprocess(self, r: Request, tok: int, logprobs: list[TokenLogprob] | None) -> None:
+        now = time.monotonic()
+        if r.first_token_time is None:
+            r.first_token_time = now
+            self.stats.ttft_s.append(now - r.arrival)
+        p = r.params
+        finish: FinishReason | None = None
+        error = None
+        ids: list[int] = []
+        text = ""
+        if p.max_tokens == 0:
+            finish, logprobs = FinishReason.LENGTH, None
+        elif (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            finish = FinishReason.STOP
+        else:
+            r.output_ids.append(tok)
+            ids = [tok]
+            self.stats.generated_tokens += 1
+            if r.matcher is not None and not r.matcher.accept_token(tok):
+                finish, error = FinishReason.ERROR, f"token {tok} rejected by the output grammar"
+            if r.detok is not None:
+                text, hit = r.stopper.feed(r.detok.add(tok))
+                if hit:
+                    finish = FinishReason.STOP
+            if finish is None and len(r.output_ids) >= p.max_tokens:
+                finish = FinishReason.LENGTH
+            if finish is None and r.matcher is not None and r.matcher.is_terminated():
+                finish = FinishReason.STOP
+        if finish is not None and r.detok is not None and not r.stopper.stopped:
+            text += r.stopper.feed(r.detok.flush())[0] + r.stopper.flush()
+        r.handle.push(RequestOutput(ids, text, logprobs, finish, len(r.prompt_ids), r.cached_tokens, error))
+        if finish is not None:
+            self._finish(r)
+
+    def _finish(self, r: Request) -> None:
+        r.finished = True
+        self.scheduler.finish(r)
+        self._requests.pop(r.id, None)
+        self.stats.finished += 1
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                assert isinstance(item, Request)
+                if item.id in self._requests:
+                    item.handle.push(self._final(item, FinishReason.ERROR, f"request id {item.id!r} already in use"))
+                    continue
+                self._requests[item.id] = item
+                self.scheduler.add(item)
+            elif kind == "abort":
+                req = self._requests.get(str(item))
+                if req is not None:
+                    req.handle.push(self._final(req, FinishReason.ABORT))
+                    self._finish(req)
+
+    @staticmethod
+    def _final(r: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        return RequestOutput([], "", None, reason, len(r.prompt_ids), r.cached_tokens, error)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or not self._inbox.empty()
+
+    def run_until_idle(self) -> None:
+        """Step on the calling thread until every request has finished."""
+        while self.has_unfinished():
+            self.step()
+
+    def run_forever(self) -> None:
+        """The engine thread's loop: step while there is work, sleep until woken otherwise."""
+        while not self._stop.is_set():
+            try:
+                busy = self.step()
+            except Exception as e:  # fail the requests in flight, keep serving
+                log.exception("engine step failed")
+                for req in list(self._requests.values()):
+                    req.handle.push(self._final(req, FinishReason.ERROR, f"engine error: {e}"))
+                    self._finish(req)
+                busy = False
+            if not busy:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+
+    def start(self) -> Engine:
+        """Run the loop on a daemon thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.run_forever, name="longctx-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
