@@ -264,8 +264,11 @@ def _windows_from_hf(arch: str, d: dict[str, Any], num_layers: int) -> tuple[int
         unknown = set(layer_types) - {"full_attention", "sliding_attention"}
         if unknown:
             raise UnsupportedModel(f"unsupported layer_types {sorted(unknown)}")
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    mwl = d.get("max_window_layers", 28)  # transformers' default
-    if arch == "Qwen2MoeForCausalLM":
-        return tuple(window if i % 2 == 0 and i < mwl else None for i in range(num_layers))
-    return tuple(window if i >= mwl else None for i in range(num_layers))
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    else:
+        mwl = d.get("max_window_layers", 28)  # transformers' default
+        if arch == "Qwen2MoeForCausalLM":
+            windows = tuple(window if i % 2 == 0 and i < mwl else None for i in range(num_layers))
+        else:
+            windows = tuple(window if i >= mwl else None for i in range(num_layers))
+    return windows if any(w is not None for w in windows) else ()

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine.sampling_params import SamplingParams
@@ -30,7 +30,7 @@ class ContextTooLong(ValueError):
         super().__init__(f"prompt + max_tokens = {needed} tokens exceeds the {what} of {limit} tokens")
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"  # end-of-sequence token, stop token, stop string or finished grammar
     LENGTH = "length"  # max_tokens
     ABORT = "abort"
