@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: test serve lint typecheck pytest bench pull clean
+.PHONY: test serve lint typecheck pytest bench bench-peers pull clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,3 +36,12 @@ bench: $(STAMP) pull
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+
+# llama.cpp for the side-by-side benchmark. Its default build crashes on AMX CPUs (llama.cpp
+# issue 20824), so AMX is off and AVX-512 on; about 5 minutes on 2 cores.
+LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
+bench-peers: $(STAMP)
+	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" \
+		$(PY) -m pip install -q --no-cache-dir llama-cpp-python==0.3.36
