@@ -81,6 +81,7 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2)
+    o_proj_bias: bool = False  # output projection bias (Llama/Qwen3 with attention_bias)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     moe: MoEConfig | None = None
     # Per layer: the attention window in tokens, or None for full attention.
@@ -175,6 +176,8 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM"
             or (arch == "Qwen2MoeForCausalLM" and bool(d.get("qkv_bias", True)))
             or bool(d.get("attention_bias", False)),
+            o_proj_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+            and bool(d.get("attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             moe=_moe_from_hf(arch, d, num_layers),
             sliding_windows=_windows_from_hf(arch, d, num_layers),

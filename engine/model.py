@@ -57,7 +57,7 @@ class Attention(nn.Module):
         self.window = config.window(layer)
         q_size, kv_size = config.num_heads * D, config.num_kv_heads * D
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
         parts: dict[object, ShardIndex] = {

@@ -42,6 +42,7 @@ CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None, "head_dim": 24}),
     "qwen2-bias": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
     "qwen3-qknorm": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
+    "llama-attention-bias": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True}),
     "qwen3-yarn": (
         Qwen3Config,
         Qwen3ForCausalLM,

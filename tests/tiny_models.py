@@ -48,7 +48,7 @@ def build_tiny(
     torch.manual_seed(seed)
     hf_config = config_cls(**(SMALL | kwargs))
     ref = model_cls(hf_config).eval()
-    _randomize_norms(ref)
+    _randomize_norms_and_biases(ref)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     ref.save_pretrained(tmp, **save_kwargs)
     config = ModelConfig.from_pretrained_dir(tmp)
@@ -56,12 +56,15 @@ def build_tiny(
     return TinyModel(ref, tmp, config, model)
 
 
-def _randomize_norms(ref: Any) -> None:
-    """transformers initialises norm weights to ones; random ones catch a missed norm."""
+def _randomize_norms_and_biases(ref: Any) -> None:
+    """transformers initialises norm weights to ones and biases to zeros; random ones catch a
+    missed norm or bias."""
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
 
 
 def reference_logits(ref: Any, ids: list[int]) -> torch.Tensor:

@@ -12,7 +12,14 @@ BACKENDS = ("auto", "torch_paged", "flashinfer")
 
 
 def flashinfer_available() -> bool:
-    return importlib.util.find_spec("flashinfer") is not None
+    """Installed and importable (a broken install falls back to torch_paged under `auto`)."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return False
+    try:
+        importlib.import_module("flashinfer")
+    except Exception:
+        return False
+    return True
 
 
 def choose_backend(name: str, device: torch.device) -> str:
