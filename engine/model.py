@@ -41,10 +41,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Normalised in float32 and cast back before the weight, as transformers does.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -79,15 +77,14 @@ class Attention(nn.Module):
         """x [T, hidden] -> [T, hidden]; writes this layer's new K/V into `cache`."""
         T = x.shape[0]
         D = self.head_dim
-        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
-        q, k, v = qkv.split([self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
-        q = q.view(T, self.num_heads, D)
-        k = k.view(T, self.num_kv_heads, D)
-        v = v.view(T, self.num_kv_heads, D)
+        H, KVH = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, H + 2 * KVH, D)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat((self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H : H + KVH])), dim=1)
+        else:
+            qk = qkv[:, : H + KVH]
+        qk = apply_rotary(qk, *cos_sin)  # q and k rotated together: [T, H + KVH, D]
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KVH :]
         o = backend.forward(self.layer, q, k, v, cache, self.window)  # [T, H, D]
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
@@ -186,8 +183,9 @@ class CausalLM(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.model.norm(x)
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        if self.lm_head is None:
+            return F.linear(x, self.model.embed_tokens.weight).float()
+        return self.lm_head(x).float()
 
     def shard_specs(self) -> dict[str, dict[object, ShardIndex]]:
         """Packed parameters by full name, each with its parts' destinations."""

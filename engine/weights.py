@@ -22,6 +22,7 @@ import xxhash
 from tqdm import tqdm
 
 from engine.config import ModelConfig
+from engine.cpu_linear import pack_linears
 from engine.model import CausalLM
 from engine.safetensors_file import CheckpointError, checkpoint_files, read_header, read_tensor
 
@@ -194,6 +195,10 @@ def load_model(
     stats.phases["build"] = time.perf_counter() - t0
     stats.seconds = stats.phases["build"]
     load_weights(model, source, progress=progress, stats=stats)
+    t1 = time.perf_counter()
+    if pack_linears(model):
+        stats.phases["pack"] = time.perf_counter() - t1
+        stats.seconds += stats.phases["pack"]
     model.eval()
     log.info("%s: %s", source.description, stats.summary())
     return model, stats
