@@ -1,0 +1,83 @@
+"""`longctx generate` end to end: the demo model, and a MoE checkpoint with a tokenizer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from engine.engine import Engine, EngineConfig
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from tests.tiny_models import build_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _longctx(*args: str) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "api.cli", "generate", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_generate_demo_chat(demo_gguf: Path) -> None:
+    # float32: in bfloat16 the first token is a near-tie that rounding may flip
+    out = _longctx("--model", "smollm2-135m-instruct", "--chat", "--max-tokens", "16", "--dtype", "float32",
+                   "--prompt", "What is the capital of France?")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert out.stdout.endswith("\n") and not out.stdout.endswith("\n\n")
+    assert "loaded" in out.stderr and "tokens/s" in out.stderr  # logs go to stderr
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_generates_through_cli(tmp_path: Path, demo_float32: Any) -> None:
+    """A tiny random Qwen3-MoE with the demo tokenizer: the CLI prints transformers' greedy text."""
+    tiny = build_tiny(
+        Qwen3MoeConfig, Qwen3MoeForCausalLM, tmp_path, vocab_size=49152, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, decoder_sparse_step=1,
+    )  # fmt: skip
+    tok = demo_float32.tokenizer
+    tok.hf.save_pretrained(tmp_path)
+    prompt = "The quick brown fox"
+    ids = tok.encode(prompt)
+    tiny.ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = tiny.ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, min_new_tokens=12)
+    expected = tok.decode(ref[0, len(ids) :].tolist())
+    out = _longctx("--model", str(tmp_path), "--prompt", prompt, "--max-tokens", "12", "--dtype", "float32")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == expected + "\n"
+
+
+def test_stop_string_across_tokens_and_utf8(demo_float32: Any) -> None:
+    """Stop strings cut the demo model's own output mid-token, whatever the batch around them."""
+    tok = demo_float32.tokenizer
+    engine = Engine(demo_float32.model, tok, EngineConfig(kv_cache_bytes=64 << 20))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Écris une phrase sur le café ☕ et le thé 茶."}])
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    h = engine.add_request(prompt, greedy)
+    engine.run_until_idle()
+    ids, text, _ = h.result()
+    assert text == tok.decode(ids)
+    # a stop string that starts inside one token and ends inside a later one
+    bounds = {len(tok.decode(ids[:i])) for i in range(len(ids) + 1)}
+    start = next(
+        s for s in range(len(text) // 3, len(text) - 5)
+        if s not in bounds and s + 5 not in bounds and any(s < b < s + 5 for b in bounds)
+        and text[s : s + 5] not in text[:s]
+    )  # fmt: skip
+    stop = text[start : start + 5]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=(stop,))
+    handles = [engine.add_request(prompt, params), engine.add_request(prompt[:-3], greedy)]
+    engine.run_until_idle()
+    _, text2, reason = handles[0].result()
+    assert reason == FinishReason.STOP
+    assert text2 == text[: text.index(stop)] and stop not in text2
