@@ -16,7 +16,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from engine.sampler import Sampler, apply_token_bitmask_, process_logits, sample_from_probs, seeded_uniforms
+from engine.logits_processor import apply_token_bitmask_, process_logits
+from engine.sampler import Sampler, sample_from_probs, seeded_uniforms
 from engine.sampling_params import SamplingParams
 
 V = 1000
