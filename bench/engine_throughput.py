@@ -48,6 +48,10 @@ def _prompt(tok: Any, n: int) -> list[int]:
 
 
 def _rss_mb() -> float:
+    """Peak RSS of this process (VmHWM: unlike ru_maxrss it does not inherit the parent's peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -64,7 +68,7 @@ def run_ours(dtype: str, quick: bool) -> dict[str, Any]:
     torch.set_num_threads(2)
     loaded = load("smollm2-135m-instruct", dtype=dtype, progress=False)
     tok = loaded.tokenizer
-    engine = Engine(loaded.model, tok, EngineConfig(kv_cache_bytes=2 << 30, max_num_batched_tokens=512))
+    engine = Engine(loaded.model, tok, EngineConfig(kv_cache_bytes=512 << 20, max_num_batched_tokens=512))
     out: dict[str, Any] = {"load_s": loaded.stats.seconds}
     greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     engine.add_request(_prompt(tok, 16), greedy)  # warm-up
