@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: test serve lint typecheck pytest bench bench-peers pull clean
+.PHONY: test serve lint typecheck pytest bench bench-resume bench-peers pull clean redis
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy engine kvstore sessions tools api
 
-pytest: $(STAMP) pull
+# Tests use LONGCTX_TEST_REDIS_URL (default redis://127.0.0.1:6379/15) or, when none answers, a
+# private redis-server of their own: install one if neither exists.
+TEST_REDIS_URL ?= $(or $(LONGCTX_TEST_REDIS_URL),redis://127.0.0.1:6379/15)
+redis: $(STAMP)
+	@$(PY) -c "import redis, sys; sys.exit(0 if redis.Redis.from_url('$(TEST_REDIS_URL)', socket_timeout=1).ping() else 1)" \
+		2>/dev/null || command -v redis-server >/dev/null || \
+		( (apt-get update -q && apt-get install -y -q redis-server) || \
+		  (sudo apt-get update -q && sudo apt-get install -y -q redis-server) )
+
+pytest: $(STAMP) pull redis
 	$(PY) -m pytest -q tests
 
 test: lint typecheck pytest
@@ -33,6 +42,9 @@ serve: $(STAMP) pull
 
 bench: $(STAMP) pull
 	$(PY) bench/engine_throughput.py
+
+bench-resume: $(STAMP) pull redis
+	$(PY) bench/resume.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -30,14 +30,26 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_paged", "flashinfer"])
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0 = torch's default, or cores/N)")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over (spawned unless torchrun)"
+    )
+    p.add_argument("--expert-parallel", action="store_true", help="MoE: whole experts per rank, tokens dispatched")
 
 
 def _generate(args: argparse.Namespace) -> int:
     from engine.engine import Engine, EngineConfig
     from engine.loader import load
+    from engine.parallel import SINGLE
     from engine.sampling_params import SamplingParams
 
+    parallel, watchdog = SINGLE, None
+    if args.tensor_parallel_size > 1:
+        from engine.launch import init_parallel
+
+        parallel, watchdog = init_parallel(args.tensor_parallel_size, args.expert_parallel, args.device)
+    elif args.expert_parallel:
+        raise ValueError("--expert-parallel needs --tensor-parallel-size of 2 or more")
     if args.threads:
         torch.set_num_threads(args.threads)
     params = SamplingParams(
@@ -55,13 +67,23 @@ def _generate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
     )
-    loaded = load(args.model, args.dtype, args.device)
+    loaded = load(args.model, args.dtype, args.device, parallel=parallel)
+    if not parallel.is_driver:  # ranks 1..N-1 replay rank 0's steps until it stops them
+        from engine.distributed_runner import serve_worker
+
+        serve_worker(loaded.model, parallel, watchdog)
+        return 0
     tok = loaded.tokenizer
     if args.chat:
         prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tok.encode(args.prompt)
-    engine = Engine(loaded.model, tok, config)
+    engine = Engine(loaded.model, tok, config, parallel=parallel)
+    if watchdog is not None:
+        from engine.distributed_runner import DistributedRunner
+        from engine.launch import finish_parallel
+
+        runner = engine.runner = DistributedRunner(engine.runner, parallel, watchdog)
     log = logging.getLogger("longctx.generate")
     t0 = time.perf_counter()
     handle = engine.add_request(prompt_ids, params)
@@ -76,6 +98,9 @@ def _generate(args: argparse.Namespace) -> int:
                 log.error("%s", out.error)
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if watchdog is not None:
+        runner.shutdown()
+        finish_parallel(watchdog)
     dt = time.perf_counter() - t0
     log.info("%d prompt tokens, %d generated in %.2fs (%.1f tokens/s)", len(prompt_ids), n, dt, n / dt if dt else 0)
     return 0

@@ -37,8 +37,12 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.tokenizer import Tokenizer
 from kvstore.block_pool import BlockPool
+from kvstore.codec import PageCodec
 from kvstore.kv_cache import KVCache
+from kvstore.prefix import Namespace
+from kvstore.redis_tier import RedisTier
 from kvstore.spec import KVSpec
+from kvstore.tiers import TieredStore
 
 log = logging.getLogger("longctx.engine")
 
@@ -52,6 +56,13 @@ class EngineConfig:
     attention_backend: str = "auto"
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     threads: int = 0  # CPU threads for torch (0 = leave torch's default)
+    enable_prefix_caching: bool = True
+    host_cache_bytes: int = 0  # host tier for pages evicted from the device pool (0 = none)
+    kv_redis_url: str | None = None  # Redis KV tier (None = none)
+    kv_redis_ttl: int = 86_400  # seconds
+    kv_redis_prefix: str = "kv"  # keys are {prefix}:{namespace}:{page hash}
+    kv_dtype: str = "auto"  # storage dtype in the host and Redis tiers: auto (the model's) or int8
+    kv_lookup_timeout_s: float = 0.1  # a host/Redis lookup slower than this counts as a miss
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -60,6 +71,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kv_dtype not in ("auto", "int8", "float32", "bfloat16", "float16"):
+            raise ValueError(f"kv_dtype must be auto, int8 or a float dtype, got {self.kv_dtype!r}")
+        if self.host_cache_bytes < 0 or self.kv_redis_ttl < 1:
+            raise ValueError("host_cache_bytes must be >= 0 and kv_redis_ttl >= 1")
 
 
 @dataclass
@@ -81,25 +96,53 @@ class Engine:
         parallel: ParallelContext = SINGLE,
         connector: KVConnector | None = None,
         grammar_hook: GrammarHook | None = None,
+        fingerprint: str = "",
     ):
+        """Args:
+        fingerprint: digest of the weights (`LoadStats.fingerprint`); part of the KV namespace,
+            required by the Redis tier (pages are shared only between identical weights).
+        """
         self.model = model
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         self.parallel = parallel
-        self.connector = connector or NoConnector()
+        if parallel.sharded and (connector is not None or config.host_cache_bytes or config.kv_redis_url):
+            raise ValueError("the host and Redis KV tiers do not support tensor parallelism yet")
         self.grammar_hook = grammar_hook or GrammarHook()
         if config.threads:
             torch.set_num_threads(config.threads)
         mc = self.model_config
         device = model.model.embed_tokens.weight.device
         dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
-        self.kv_spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.page_size, dtype)
+        self.kv_spec = KVSpec(mc.num_layers, model.local_kv_heads, mc.head_dim, config.page_size, dtype)  # this rank's
         self.kv_cache = KVCache.from_budget(self.kv_spec, config.kv_cache_bytes, device)
-        self.pool = BlockPool(self.kv_cache.num_pages)
-        backend = make_backend(config.attention_backend, device, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        kv_dtype = dtype if config.kv_dtype == "auto" else config.kv_dtype
+        self.namespace = Namespace(
+            mc.architecture, fingerprint, dtype, kv_dtype, config.page_size, parallel.world_size, parallel.rank
+        )
+        self.store: TieredStore | None = None
+        if connector is None and (config.host_cache_bytes or config.kv_redis_url):
+            if config.kv_redis_url and not fingerprint:
+                raise ValueError("the Redis KV tier needs the model's fingerprint (LoadStats.fingerprint)")
+            codec = PageCodec(self.kv_spec, kv_dtype, self.namespace.key)
+            redis = None
+            if config.kv_redis_url:
+                redis = RedisTier(config.kv_redis_url, codec, config.kv_redis_ttl, config.kv_redis_prefix)
+            connector = self.store = TieredStore(self.kv_cache, codec, config.host_cache_bytes, redis)
+        self.connector: KVConnector = connector or NoConnector()
+        self.pool = BlockPool(self.kv_cache.num_pages, on_evict=self.connector.evict)
+        backend = make_backend(config.attention_backend, device, model.local_heads, model.local_kv_heads, mc.head_dim)
         self.runner = ModelRunner(model, self.kv_cache, backend)
-        self.scheduler = Scheduler(self.pool, config.page_size, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.pool,
+            config.page_size,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            namespace=self.namespace if config.enable_prefix_caching else None,
+            connector=self.connector,
+            lookup_timeout_s=config.kv_lookup_timeout_s,
+        )
         self.sampler = Sampler()
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else mc.eos_token_ids)
@@ -171,6 +214,7 @@ class Engine:
         if not chunks:
             return False
         logits = self._run(chunks)
+        self.scheduler.computed([c.request for c in chunks])
         sampled = [i for i, c in enumerate(chunks) if c.sample]
         if sampled:
             self._sample_and_emit([chunks[i].request for i in sampled], logits[sampled])
@@ -224,7 +268,8 @@ class Engine:
             ids = [tok]
             self.stats.generated_tokens += 1
             if r.matcher is not None and not r.matcher.accept_token(tok):
-                finish, error = FinishReason.ERROR, f"token {tok} rejected by the output grammar"
+                reason = getattr(r.matcher, "error", None) or f"token {tok} rejected by the output grammar"
+                finish, error = FinishReason.ERROR, reason
             if r.detok is not None:
                 text, hit = r.stopper.feed(r.detok.add(tok))
                 if hit:
@@ -274,7 +319,20 @@ class Engine:
     def run_until_idle(self) -> None:
         """Step on the calling thread until every request has finished."""
         while self.has_unfinished():
-            self.step()
+            if not self.step() and self.scheduler.loading:
+                time.sleep(0.001)  # a request waits for KV pages from the host or Redis tier
+
+    def kv_stats(self) -> dict[str, dict[str, int]]:
+        """Counters of the prefix cache and the KV tiers."""
+        from dataclasses import asdict
+
+        out = {"prefix": asdict(self.pool.counters)}
+        out["prefix"]["lookup_timeouts"] = self.scheduler.num_lookup_timeouts
+        if self.store is not None:
+            out["host"] = asdict(self.store.host.counters)
+            if self.store.redis is not None:
+                out["redis"] = asdict(self.store.redis.counters)
+        return out
 
     def run_forever(self) -> None:
         """The engine thread's loop: step while there is work, sleep until woken otherwise."""
@@ -288,7 +346,7 @@ class Engine:
                     self._finish(req)
                 busy = False
             if not busy:
-                self._wake.wait(timeout=0.5)
+                self._wake.wait(timeout=0.002 if self.scheduler.loading else 0.5)
                 self._wake.clear()
 
     def start(self) -> Engine:
@@ -304,6 +362,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        if self.store is not None:
+            self.store.close()
 
     def __enter__(self) -> Engine:
         return self.start()

@@ -12,6 +12,7 @@ import torch
 from engine.config import ModelConfig
 from engine.model import CausalLM
 from engine.model_source import ModelPath, resolve_model
+from engine.parallel import SINGLE, ParallelContext
 from engine.tokenizer import Tokenizer
 from engine.weights import LoadStats, SafetensorsSource, TensorSource, load_model
 
@@ -63,7 +64,12 @@ def open_source(source: ModelPath) -> tuple[ModelConfig, TensorSource]:
 
 
 def load(
-    spec: str, dtype: str = "auto", device: str | torch.device = "cpu", *, progress: bool | None = None
+    spec: str,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    *,
+    progress: bool | None = None,
+    parallel: ParallelContext = SINGLE,
 ) -> LoadedModel:
     """Resolve, read config, load weights and tokenizer. Phases are timed into the stats."""
     dev = torch.device(device)
@@ -72,7 +78,7 @@ def load(
     config, tensors = open_source(source)
     torch_dtype = resolve_dtype(dtype, config, source, dev)
     t_config = time.perf_counter() - t0
-    model, stats = load_model(config, tensors, torch_dtype, dev, progress=progress)
+    model, stats = load_model(config, tensors, torch_dtype, dev, progress=progress, parallel=parallel)
     t1 = time.perf_counter()
     tokenizer = Tokenizer.load(source, config.eos_token_ids)
     stats.phases = {"resolve+config": t_config, **stats.phases, "tokenizer": time.perf_counter() - t1}

@@ -16,13 +16,26 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.parallel import SINGLE, ParallelContext
 from engine.rope import RotaryEmbedding, apply_rotary
+from engine.tp import (
+    SourceSlice,
+    VocabParallelEmbedding,
+    gather_vocab,
+    rows,
+    set_other_rank,
+    set_source_slices,
+    split_heads,
+)
 
 # A destination inside a packed parameter: `param.data[index]`.
 ShardIndex = tuple[int | slice, ...]
 
 # Older spellings of module paths in checkpoints, rewritten before mapping a name.
 CHECKPOINT_RENAMES = ((".block_sparse_moe.", ".mlp."),)  # Mixtral as saved by transformers
+
+# `checkpoint_name_map`'s answer for a tensor that belongs to other ranks only (skipped, not unexpected).
+OTHER_RANK: tuple[str, object] = ("", "other rank")
 
 
 def set_shards(module: nn.Module, param: str, specs: Mapping[object, ShardIndex]) -> None:
@@ -46,16 +59,21 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    """Under tensor parallelism this rank's heads only (`split_heads`): QKV split by output rows,
+    o_proj by input columns, then one all-reduce; o_proj's bias lives on rank 0 only."""
+
+    def __init__(self, config: ModelConfig, layer: int, parallel: ParallelContext = SINGLE):
         super().__init__()
         self.layer = layer
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.parallel = parallel
+        heads = split_heads(config.num_heads, config.num_kv_heads, parallel)
+        self.num_heads = heads.heads
+        self.num_kv_heads = heads.kv_heads
         self.head_dim = D = config.head_dim
         self.window = config.window(layer)
-        q_size, kv_size = config.num_heads * D, config.num_kv_heads * D
+        q_size, kv_size = heads.heads * D, heads.kv_heads * D
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias and parallel.rank == 0)
         self.q_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
         parts: dict[object, ShardIndex] = {
@@ -66,6 +84,18 @@ class Attention(nn.Module):
         set_shards(self.qkv_proj, "weight", parts)
         if self.qkv_proj.bias is not None:
             set_shards(self.qkv_proj, "bias", parts)
+        if parallel.sharded:
+            src: dict[object, SourceSlice] = {
+                "q": rows(heads.q_start * D, q_size),
+                "k": rows(heads.kv_start * D, kv_size),
+                "v": rows(heads.kv_start * D, kv_size),
+            }
+            set_source_slices(self.qkv_proj, "weight", src)
+            if self.qkv_proj.bias is not None:
+                set_source_slices(self.qkv_proj, "bias", src)
+            set_source_slices(self.o_proj, "weight", {None: rows(heads.q_start * D, q_size, dim=1)})
+            if config.o_proj_bias and parallel.rank != 0:
+                set_other_rank(self.o_proj, "bias")
 
     def forward(
         self,
@@ -86,40 +116,50 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, *cos_sin)  # q and k rotated together: [T, H + KVH, D]
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KVH :]
         o = backend.forward(self.layer, q, k, v, cache, self.window)  # [T, H, D]
-        return self.o_proj(o.reshape(T, self.num_heads * D))
+        return self.parallel.all_reduce(self.o_proj(o.reshape(T, self.num_heads * D)))
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    """Under tensor parallelism columns [start, start + I) of gate/up and the same rows of down,
+    then one all-reduce (`reduce=False` leaves it to the caller, which sums more in first)."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, parallel: ParallelContext = SINGLE, reduce: bool = True
+    ):
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        I = intermediate_size
+        start, I = parallel.split_even(intermediate_size, "intermediate_size")
+        self.parallel, self.reduce = parallel, reduce
+        self.intermediate_size = I
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * I, bias=False)
+        self.down_proj = nn.Linear(I, hidden_size, bias=False)
         parts: dict[object, ShardIndex] = {"gate": (slice(0, I),), "up": (slice(I, 2 * I),)}
         set_shards(self.gate_up_proj, "weight", parts)
+        if parallel.sharded:
+            set_source_slices(self.gate_up_proj, "weight", {"gate": rows(start, I), "up": rows(start, I)})
+            set_source_slices(self.down_proj, "weight", {None: rows(start, I, dim=1)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        y = self.down_proj(F.silu(gate) * up)  # [T, hidden], this rank's partial sum
+        return self.parallel.all_reduce(y) if self.reduce else y
 
 
-def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
+def make_mlp(config: ModelConfig, layer: int, parallel: ParallelContext = SINGLE) -> nn.Module:
     """The feed-forward block of a layer: dense, or sparse MoE for MoE configs."""
     if config.moe is not None and layer not in config.moe.dense_layers:
         from engine.moe import SparseMoE
 
-        return SparseMoE(config)
-    return DenseMLP(config.hidden_size, config.intermediate_size)
+        return SparseMoE(config, parallel)
+    return DenseMLP(config.hidden_size, config.intermediate_size, parallel)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, parallel: ParallelContext = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = make_mlp(config, layer)
+        self.mlp = make_mlp(config, layer, parallel)
 
     def forward(
         self,
@@ -133,24 +173,40 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+            if parallel.sharded
+            # An explicit weight skips nn.Embedding's random init, whose meta-device kernels alone
+            # cost ~170 MB of resident memory the first time they run; the loader fills it.
+            else nn.Embedding(
+                config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+            )
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """Parameter names follow transformers' (`model.layers.N...`, `lm_head`) but for the fused
-    projections; `checkpoint_name_map` translates checkpoint names to (parameter, shard)."""
+    projections; `checkpoint_name_map` translates checkpoint names to (parameter, shard).
 
-    def __init__(self, config: ModelConfig):
+    Built with a sharded `ParallelContext`, every parameter has this rank's local shape and the
+    vocabulary is split too: the LM head computes this rank's logit columns, gathered after.
+    """
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
-        self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.parallel = parallel
+        self.model = Backbone(config, parallel)
+        v_start, v_size = parallel.split(config.vocab_size)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, v_size, bias=False)
+        if self.lm_head is not None and parallel.sharded:
+            set_source_slices(self.lm_head, "weight", {None: rows(v_start, v_size)})
+        heads = split_heads(config.num_heads, config.num_kv_heads, parallel)
+        self.local_heads, self.local_kv_heads = heads.heads, heads.kv_heads  # the KV cache holds these
         self.rope = RotaryEmbedding(config)
 
     def init_buffers(self) -> None:
@@ -183,9 +239,11 @@ class CausalLM(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.model.norm(x)
-        if self.lm_head is None:
-            return F.linear(x, self.model.embed_tokens.weight).float()
-        return self.lm_head(x).float()
+        head = self.lm_head
+        logits = F.linear(x, self.model.embed_tokens.weight) if head is None else head(x)  # [N, V_local]
+        if self.parallel.sharded:
+            logits = gather_vocab(logits, self.config.vocab_size, self.parallel)  # [N, V]
+        return logits.float()
 
     def shard_specs(self) -> dict[str, dict[object, ShardIndex]]:
         """Packed parameters by full name, each with its parts' destinations."""
@@ -195,9 +253,17 @@ class CausalLM(nn.Module):
                 out[f"{mname}.{pname}" if mname else pname] = specs
         return out
 
+    def source_slices(self) -> dict[str, dict[object, SourceSlice]]:
+        """Split parameters by full name: per shard key, the part of the checkpoint tensor to read."""
+        out = {}
+        for mname, module in self.named_modules():
+            for pname, slices in module.__dict__.get("source_slices", {}).items():
+                out[f"{mname}.{pname}" if mname else pname] = slices
+        return out
+
     def checkpoint_name_map(self) -> Callable[[str], tuple[str, object] | None]:
         """A function from a checkpoint tensor name to (our parameter name, shard key or None),
-        or None for a tensor this model does not use."""
+        `OTHER_RANK` for a tensor only other ranks load, or None for a tensor this model does not use."""
         packed = {
             "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
             "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
@@ -206,6 +272,11 @@ class CausalLM(nn.Module):
             "mlp.up_proj": ("mlp.gate_up_proj", "up"),
         }
         params = dict(self.named_parameters())
+        others = {
+            f"{mname}.{p}"
+            for mname, module in self.named_modules()
+            for p in module.__dict__.get("other_rank_params", ())
+        }
         moe_maps = {
             name: module.checkpoint_name_map
             for name, module in self.named_modules()
@@ -218,6 +289,8 @@ class CausalLM(nn.Module):
             for prefix, fn in moe_maps.items():
                 if name.startswith(prefix + "."):
                     hit = fn(name[len(prefix) + 1 :])
+                    if hit == OTHER_RANK:
+                        return OTHER_RANK
                     if hit is not None:
                         return prefix + "." + hit[0], hit[1]
             for src, (dst, shard) in packed.items():
@@ -225,6 +298,8 @@ class CausalLM(nn.Module):
                 if marker in name:
                     target = name.replace(marker, "." + dst + ".")
                     return (target, shard) if target in params else None
+            if name in others:
+                return OTHER_RANK
             return (name, None) if name in params else None
 
         return mapped

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model import CausalLM, DenseMLP, set_shards
+from engine.model import OTHER_RANK, CausalLM, DenseMLP, set_shards
+from engine.parallel import SINGLE, ParallelContext
+from engine.tp import SourceSlice, rows, set_source_slices
 
 # Per-expert checkpoint names (transformers' save_pretrained layout; Mixtral's w1/w3/w2).
 _EXPERT_TENSOR = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
@@ -46,29 +48,52 @@ class SparseMoE(nn.Module):
             router load); `router_loads(model)` collects it per layer.
         last_expert_calls: experts run in the last step (those with a non-zero load).
         num_expert_calls: experts run since construction.
+
+    Sharded, the router is replicated (every rank routes every token identically) and either
+    each expert's intermediate columns are split like a dense MLP's (tensor parallel: one
+    all-reduce), or, with `expert_parallel`, each rank holds whole experts
+    [expert_start, expert_start + local_experts) and tokens travel to them (`expert_parallel.py`).
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
         moe = config.moe
         assert moe is not None
-        E, H, I = moe.num_experts, config.hidden_size, moe.intermediate_size
+        E, H, I_full = moe.num_experts, config.hidden_size, moe.intermediate_size
+        self.parallel = parallel
+        self.expert_parallel = parallel.sharded and parallel.expert_parallel
+        e0, n_e = parallel.split_even(E, "num_experts") if self.expert_parallel else (0, E)
+        i0, I = (
+            (0, I_full)
+            if self.expert_parallel or not parallel.sharded
+            else parallel.split_even(I_full, "moe_intermediate_size")
+        )
+        self.expert_start, self.local_experts = e0, n_e
         self.num_experts, self.top_k, self.intermediate_size = E, moe.top_k, I
         self.norm_topk_prob = moe.norm_topk_prob
         # Mixtral keeps its routing weights in float32; Qwen casts them to the activations' dtype.
         self.float32_routing_weights = config.architecture == "MixtralForCausalLM"
         self.gate = nn.Linear(H, E, bias=False)
-        self.w13 = nn.Parameter(torch.empty(E, 2 * I, H))
-        self.w2 = nn.Parameter(torch.empty(E, H, I))
+        self.w13 = nn.Parameter(torch.empty(n_e, 2 * I, H))
+        self.w2 = nn.Parameter(torch.empty(n_e, H, I))
         S = moe.shared_expert_intermediate_size
-        self.shared_expert = DenseMLP(H, S) if S else None
+        # Tensor parallel: the shared expert's partial sum joins the experts' in one all-reduce.
+        self.shared_expert = DenseMLP(H, S, parallel, reduce=self.expert_parallel) if S else None
         self.shared_expert_gate = nn.Linear(H, 1, bias=False) if S else None
+        local = range(e0, e0 + n_e)
         set_shards(
             self,
             "w13",
-            {(e, p): (e, slice(i * I, (i + 1) * I)) for e in range(E) for i, p in enumerate(("gate", "up"))},
+            {(e, p): (e - e0, slice(i * I, (i + 1) * I)) for e in local for i, p in enumerate(("gate", "up"))},
         )
-        set_shards(self, "w2", {(e, "down"): (e,) for e in range(E)})
+        set_shards(self, "w2", {(e, "down"): (e - e0,) for e in local})
+        if self.expert_parallel:  # whole experts: a row range of the fused tensors
+            set_source_slices(self, "w13", {None: rows(e0, n_e)})
+            set_source_slices(self, "w2", {None: rows(e0, n_e)})
+        elif parallel.sharded:  # columns [i0, i0 + I) of every expert
+            fused = SourceSlice(1, ((i0, I), (I_full + i0, I)))
+            set_source_slices(self, "w13", {None: fused} | {(e, p): rows(i0, I) for e in local for p in ("gate", "up")})
+            set_source_slices(self, "w2", {None: rows(i0, I, dim=2)} | {(e, "down"): rows(i0, I, dim=1) for e in local})
         self.last_load = torch.zeros(E, dtype=torch.int64, device="cpu")  # not on the meta device
         self.last_expert_calls = 0
         self.num_expert_calls = 0
@@ -89,6 +114,8 @@ class SparseMoE(nn.Module):
             e, part = int(m.group(1)), _PART[m.group(2)]
             if e >= self.num_experts:
                 return None
+            if not self.expert_start <= e < self.expert_start + self.local_experts:
+                return OTHER_RANK
             return ("w2" if part == "down" else "w13"), (e, part)
         if self.shared_expert is not None:
             if name in ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight"):
@@ -109,16 +136,24 @@ class SparseMoE(nn.Module):
         return weights, experts
 
     def expert_forward(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        """Expert `e` on its rows: [n, H] -> [n, H] (SwiGLU)."""
+        """Expert `e` (global id, held by this rank) on its rows: [n, H] -> [n, H] (SwiGLU)."""
         self.num_expert_calls += 1
-        gate, up = F.linear(rows, self.w13[e]).chunk(2, dim=-1)  # [n, I] each
-        return F.linear(F.silu(gate) * up, self.w2[e])
+        i = e - self.expert_start
+        gate, up = F.linear(rows, self.w13[i]).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(F.silu(gate) * up, self.w2[i])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         T, H = x.shape
         k = self.top_k
         weights, experts = self.route(x)  # [T, k]
+        if self.expert_parallel:
+            from engine.expert_parallel import expert_parallel_forward
+
+            out = expert_parallel_forward(self, x, weights, experts)
+            if self.shared_expert is not None and self.shared_expert_gate is not None:
+                out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            return out
         flat = experts.reshape(-1)  # [T k], slot t*k + j
         order = torch.argsort(flat, stable=True)  # [T k] slots grouped by expert
         load = torch.bincount(flat, minlength=self.num_experts).cpu()  # [E], one host sync
@@ -139,7 +174,7 @@ class SparseMoE(nn.Module):
         out = out_slots.view(T, k, H).sum(dim=1)  # [T, H]
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.parallel.all_reduce(out)  # tensor parallel: partial sums over I
 
 
 def router_loads(model: CausalLM) -> dict[int, torch.Tensor]:

@@ -15,10 +15,13 @@ from engine.config import ModelConfig, RopeConfig
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """Returns (inv_freq [head_dim/2] float32, attention_factor applied to cos and sin)."""
+    """Returns (inv_freq [head_dim/2] float32 on CPU, attention_factor applied to cos and sin).
+
+    Always computed on the CPU, also inside a meta-device context: the first meta-device
+    arange loads torch's reference kernels, ~170 MB of resident memory for nothing."""
     dim = head_dim
     base = rope.theta
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     if rope.type == "dynamic":
         # A fixed NTK-aware base for the whole extended context (max_position x factor):
         # transformers' dynamic formula evaluated at seq_len = max_position * factor.
@@ -71,8 +74,8 @@ def _yarn(rope: RopeConfig, dim: int, max_pos: int) -> tuple[torch.Tensor, float
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     extrapolation = 1.0 / pos_freqs
     interpolation = 1.0 / (factor * pos_freqs)
     extrapolation_factor = 1 - ramp

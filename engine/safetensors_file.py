@@ -9,6 +9,7 @@ so that a truncated or corrupt file is named as such before any tensor is read.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -99,6 +100,46 @@ def read_tensor(entry: TensorEntry) -> torch.Tensor:
     if got != entry.nbytes:
         raise CheckpointError(f"{entry.file}: truncated while reading tensor {entry.name!r}")
     return out
+
+
+def read_tensor_part(entry: TensorEntry, dim: int, ranges: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, int]:
+    """Read only ranges of one dimension of a tensor, concatenated along it: (tensor, bytes read).
+
+    In row-major order such a part is, for each index of the leading dimensions, one contiguous
+    run per range (a row range of a matrix is a single run; a column range is one run per row);
+    adjacent runs are merged and each is read with one `pread` straight into the result.
+    """
+    shape = entry.shape
+    outer = math.prod(shape[:dim])
+    inner = math.prod(shape[dim + 1 :]) * entry.dtype.itemsize
+    out_shape = (*shape[:dim], sum(n for _, n in ranges), *shape[dim + 1 :])
+    out = torch.empty(out_shape, dtype=entry.dtype)
+    runs: list[list[int]] = []  # [file offset, length]
+    for o in range(outer):
+        for start, n in ranges:
+            offset, length = entry.start + (o * shape[dim] + start) * inner, n * inner
+            if runs and runs[-1][0] + runs[-1][1] == offset:
+                runs[-1][1] += length
+            elif length:
+                runs.append([offset, length])
+    total = sum(length for _, length in runs)
+    if total == 0:
+        return out, 0
+    view = memoryview(out.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
+    fd = os.open(entry.file, os.O_RDONLY)
+    try:
+        pos = 0
+        for offset, length in runs:
+            done = 0
+            while done < length:
+                got = os.preadv(fd, [view[pos + done : pos + length]], offset + done)
+                if got <= 0:
+                    raise CheckpointError(f"{entry.file}: truncated while reading tensor {entry.name!r}")
+                done += got
+            pos += length
+    finally:
+        os.close(fd)
+    return out, total
 
 
 def checkpoint_files(directory: Path) -> list[Path]:

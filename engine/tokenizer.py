@@ -31,6 +31,19 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
+    @property
+    def chat_template(self) -> str:
+        """The chat template's source ("" when there is none); tool-call format detection reads it."""
+        template = getattr(self.hf, "chat_template", None)
+        if isinstance(template, dict):  # named templates: the default one, or all of them
+            template = template.get("default") or "\n".join(str(t) for t in template.values())
+        return str(template or "")
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template uses the `tools` it is given; when not, `tools.formats` renders them."""
+        return "tools" in self.chat_template
+
     def encode(self, text: str) -> list[int]:
         """Raw text to ids, with the special tokens the tokenizer adds (e.g. BOS)."""
         return list(self.hf.encode(text))

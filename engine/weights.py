@@ -23,8 +23,17 @@ from tqdm import tqdm
 
 from engine.config import ModelConfig
 from engine.cpu_linear import pack_linears
-from engine.model import CausalLM
-from engine.safetensors_file import CheckpointError, checkpoint_files, read_header, read_tensor
+from engine.model import OTHER_RANK, CausalLM
+from engine.parallel import SINGLE, ParallelContext
+from engine.safetensors_file import (
+    CheckpointError,
+    TensorEntry,
+    checkpoint_files,
+    read_header,
+    read_tensor,
+    read_tensor_part,
+)
+from engine.tp import SourceSlice
 
 log = logging.getLogger("longctx.weights")
 
@@ -39,6 +48,8 @@ class SourceTensor:
     nbytes: int  # bytes read from storage
     file: str
     read: Callable[[], torch.Tensor]
+    # Reads only a part (a tensor-parallel rank's slice): (tensor, bytes read). None: read whole, then slice.
+    read_part: Callable[[SourceSlice], tuple[torch.Tensor, int]] | None = None
 
 
 class TensorSource(Protocol):
@@ -58,7 +69,12 @@ class SafetensorsSource:
 
     def tensors(self) -> Iterator[SourceTensor]:
         for e in self.entries:
-            yield SourceTensor(e.name, e.shape, e.nbytes, str(e.file), partial(read_tensor, e))
+            part = partial(_read_part, e)
+            yield SourceTensor(e.name, e.shape, e.nbytes, str(e.file), partial(read_tensor, e), part)
+
+
+def _read_part(entry: TensorEntry, part: SourceSlice) -> tuple[torch.Tensor, int]:
+    return read_tensor_part(entry, part.dim, part.ranges)
 
 
 @dataclass
@@ -81,10 +97,12 @@ class LoadStats:
         )
 
 
-def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """The model with uninitialised parameters of `dtype` on `device` (nothing computed)."""
+def build_empty(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device | str, parallel: ParallelContext = SINGLE
+) -> CausalLM:
+    """The model (this rank's shard of it) with uninitialised parameters of `dtype` on `device`."""
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, parallel)
     model = model.to(dtype).to_empty(device=device)
     model.init_buffers()
     return model
@@ -93,12 +111,16 @@ def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
 def load_weights(
     model: CausalLM, source: TensorSource, *, progress: bool | None = None, stats: LoadStats | None = None
 ) -> LoadStats:
-    """Fill `model`'s parameters from `source`. Raises CheckpointError on any mismatch."""
+    """Fill `model`'s parameters from `source`. Raises CheckpointError on any mismatch.
+
+    A sharded model reads only its slice of each split tensor and skips tensors of other ranks;
+    `stats.bytes_read` counts the bytes actually read."""
     stats = stats or LoadStats()
     t0 = time.perf_counter()
     params = dict(model.named_parameters())
     mapping = model.checkpoint_name_map()
     shard_specs = model.shard_specs()
+    slices = model.source_slices()
     loaded: dict[str, set[object]] = {name: set() for name in params}
     digests: list[bytes] = []
     unexpected: list[str] = []
@@ -115,6 +137,9 @@ def load_weights(
     read_s = 0.0
     for t in tensors:
         target = mapping(t.name)
+        if target == OTHER_RANK:
+            bar.update(t.nbytes)
+            continue
         if target is None:
             if t.name.endswith(IGNORED_SUFFIXES) or (tied and t.name == "lm_head.weight"):
                 bar.update(t.nbytes)
@@ -127,9 +152,14 @@ def load_weights(
         if shard is not None and (specs is None or shard not in specs):
             raise CheckpointError(f"{t.file}: tensor {t.name!r} maps to unknown part {shard!r} of {pname}")
         dest = param.data[specs[shard]] if specs is not None and shard is not None else param.data
-        if tuple(dest.shape) != tuple(t.shape):
+        part = slices.get(pname, {}).get(shard)
+        if part is not None and not part.fits(t.shape):
+            raise CheckpointError(f"{t.file}: tensor {t.name!r} of shape {list(t.shape)} has no part {part}")
+        shape = t.shape if part is None else part.shape(t.shape)
+        if tuple(dest.shape) != tuple(shape):
+            what = "" if part is None else f" (this rank's part {list(shape)})"
             raise CheckpointError(
-                f"{t.file}: tensor {t.name!r} has shape {list(t.shape)}, the model expects {list(dest.shape)}"
+                f"{t.file}: tensor {t.name!r} has shape {list(t.shape)}{what}, the model expects {list(dest.shape)}"
             )
         if shard in loaded[pname]:
             raise CheckpointError(f"{t.file}: tensor {t.name!r} appears twice in the checkpoint")
@@ -137,12 +167,17 @@ def load_weights(
             # A packed parameter comes whole (fused checkpoint tensor) or in parts, never both.
             raise CheckpointError(f"{t.file}: tensor {t.name!r} overlaps another tensor loaded into {pname}")
         r0 = time.perf_counter()
-        value = t.read()
+        if part is None:
+            value, nbytes = t.read(), t.nbytes
+        elif t.read_part is not None:
+            value, nbytes = t.read_part(part)
+        else:
+            value, nbytes = part.take(t.read()), t.nbytes
         read_s += time.perf_counter() - r0
         digests.append(_digest(t.name, value))
         dest.copy_(value.to(dest.dtype))
         loaded[pname].add(shard)
-        stats.bytes_read += t.nbytes
+        stats.bytes_read += nbytes
         stats.num_tensors += 1
         bar.update(t.nbytes)
         del value
@@ -187,11 +222,12 @@ def load_model(
     device: torch.device | str = "cpu",
     *,
     progress: bool | None = None,
+    parallel: ParallelContext = SINGLE,
 ) -> tuple[CausalLM, LoadStats]:
-    """Build the model and load its weights. Returns (model in eval mode, statistics)."""
+    """Build the model (this rank's shard) and load its weights. Returns (model in eval mode, statistics)."""
     stats = LoadStats()
     t0 = time.perf_counter()
-    model = build_empty(config, dtype, device)
+    model = build_empty(config, dtype, device, parallel)
     stats.phases["build"] = time.perf_counter() - t0
     stats.seconds = stats.phases["build"]
     load_weights(model, source, progress=progress, stats=stats)

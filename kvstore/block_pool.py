@@ -1,24 +1,43 @@
-"""A pool of KV pages: ids, reference counts, and the free list. Plain Python, no tensors.
+"""A pool of KV pages: ids, reference counts, the free list and the prefix-cache table.
+Plain Python, no tensors.
 
-Free pages are kept in an insertion-ordered dict used as an LRU list: allocation takes
-the least recently freed page, and a page can be taken back out of the middle of the
-list in O(1) (the prefix cache revives a freed page whose contents are still valid).
+Free pages are kept in an insertion-ordered dict used as an LRU list: allocation takes the
+least recently freed page, and a page can be taken back out of the middle of the list in
+O(1). A full, computed page may carry its content hash (`kvstore.prefix`); the hash stays
+with the page after it is freed, so a later request with the same prefix revives it, until
+allocation reuses its memory. Then the hash is dropped and `on_evict` is told, so that an
+outer tier (host memory) can keep a copy before the page is overwritten.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 
 class OutOfPages(RuntimeError):
     """Fewer free pages than requested; nothing was allocated."""
 
 
+@dataclass(slots=True)
+class PrefixCounters:
+    queries: int = 0  # requests matched against the table
+    hits: int = 0  # requests that found at least one page
+    hit_tokens: int = 0  # tokens whose pages were found
+    evicted: int = 0  # hashed pages whose memory was reused
+
+
 class BlockPool:
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None):
         if num_pages < 1:
             raise ValueError(f"a KV pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self.ref_counts = [0] * num_pages
         self._free: dict[int, None] = dict.fromkeys(range(num_pages))
+        self.page_hash: list[bytes | None] = [None] * num_pages
+        self.cached: dict[bytes, int] = {}  # content hash -> page holding it
+        self.on_evict = on_evict  # called with (page, hash) pairs before their memory is reused
+        self.counters = PrefixCounters()
 
     @property
     def num_free(self) -> int:
@@ -33,11 +52,20 @@ class BlockPool:
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} KV pages, {len(self._free)} free of {self.num_pages}")
         pages = []
+        evicted: list[tuple[int, bytes]] = []
         for _ in range(n):
             page = next(iter(self._free))
             del self._free[page]
             self.ref_counts[page] = 1
+            h = self.page_hash[page]
+            if h is not None:
+                evicted.append((page, h))
+                self._drop_hash(page, h)
             pages.append(page)
+        if evicted:
+            self.counters.evicted += len(evicted)
+            if self.on_evict is not None:
+                self.on_evict(evicted)
         return pages
 
     def share(self, page: int) -> None:
@@ -61,3 +89,31 @@ class BlockPool:
 
     def is_free(self, page: int) -> bool:
         return page in self._free
+
+    # ---- prefix cache ----
+
+    def register(self, page: int, page_hash: bytes) -> bool:
+        """Name a full, computed page by its content hash. Returns False (and changes nothing)
+        when the hash already names another page or this page already has a hash."""
+        assert self.ref_counts[page] > 0, f"page {page} registered while free"
+        if page_hash in self.cached or self.page_hash[page] is not None:
+            return False
+        self.cached[page_hash] = page
+        self.page_hash[page] = page_hash
+        return True
+
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """Share the pages holding the leading `hashes` (stops at the first miss); the caller
+        owns one reference to each returned page."""
+        pages = []
+        for h in hashes:
+            page = self.cached.get(h)
+            if page is None:
+                break
+            self.share(page)
+            pages.append(page)
+        return pages
+
+    def _drop_hash(self, page: int, page_hash: bytes) -> None:
+        del self.cached[page_hash]
+        self.page_hash[page] = None

@@ -32,3 +32,15 @@ class KVCache:
     @property
     def num_bytes(self) -> int:
         return self.num_pages * self.spec.bytes_per_page
+
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """A copy of these pages over all layers: [N, L, 2, page_size, num_kv_heads, head_dim]."""
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.layers[0].device)
+        return torch.stack([layer.index_select(0, idx) for layer in self.layers], dim=1).cpu()
+
+    def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        """Fill these pages from `data` [N, L, 2, page_size, num_kv_heads, head_dim]."""
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.layers[0].device)
+        data = data.to(self.layers[0].device)
+        for i, layer in enumerate(self.layers):
+            layer.index_copy_(0, idx, data[:, i])

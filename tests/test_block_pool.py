@@ -80,3 +80,69 @@ def test_kv_cache_capacity_from_budget() -> None:
     assert tuple(cache.layers[0].shape) == (10, 2, 16, 3, 64)
     with pytest.raises(ValueError, match="holds no page"):
         KVCache.from_budget(spec, spec.bytes_per_page - 1)
+
+
+# Hashed pages: ("alloc", n) | ("free", i) | ("register", i) | ("match", i) over live lists; a
+# list registered under key i gets hashes b"i:0", b"i:1", ...
+hashed_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("alloc"), st.integers(0, 5)),
+        st.tuples(st.just("free"), st.integers(0, 50)),
+        st.tuples(st.just("register"), st.integers(0, 50)),
+        st.tuples(st.just("match"), st.integers(0, 8)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(hashed_ops)
+def test_hashed_pages_stay_consistent(seq: list[tuple[str, int]]) -> None:
+    evicted: list[tuple[int, bytes]] = []
+    pool = BlockPool(12, on_evict=evicted.extend)
+    live: list[list[int]] = []
+    for op, arg in seq:
+        if op == "alloc" and arg <= pool.num_free:
+            before = dict(pool.cached)
+            pages = pool.allocate(arg)
+            for page in pages:  # a reused page loses its hash, and the evict hook is told first
+                assert pool.page_hash[page] is None
+                if page in before.values():
+                    assert any(p == page for p, _ in evicted)
+            live.append(pages)
+        elif op == "free" and live:
+            pool.free(live.pop(arg % len(live)))
+        elif op == "register" and live:
+            pages = live[arg % len(live)]
+            for j, page in enumerate(pages):
+                pool.register(page, f"{arg}:{j}".encode())
+        elif op == "match":
+            hashes = [f"{arg}:{j}".encode() for j in range(4)]
+            pages = pool.match(hashes)
+            assert [pool.page_hash[p] for p in pages] == hashes[: len(pages)]
+            live.append(pages)
+        for h, page in pool.cached.items():
+            assert pool.page_hash[page] == h
+        assert sum(h is not None for h in pool.page_hash) == len(pool.cached)
+        for page in range(pool.num_pages):
+            held = sum(lst.count(page) for lst in live)
+            assert pool.ref_counts[page] == held
+            assert pool.is_free(page) == (held == 0)
+    for pages in live:
+        pool.free(pages)
+    assert pool.num_free == pool.num_pages
+    assert all(c == 0 for c in pool.ref_counts)
+
+
+def test_freed_hashed_page_is_revived_until_reused() -> None:
+    evicted: list[tuple[int, bytes]] = []
+    pool = BlockPool(3, on_evict=evicted.extend)
+    a = pool.allocate(2)
+    pool.register(a[0], b"h0")
+    pool.register(a[1], b"h1")
+    assert not pool.register(a[1], b"other")  # one hash per page
+    pool.free(a)
+    assert pool.match([b"h0", b"h1", b"h2"]) == a  # revived from the free list
+    pool.free(a)
+    pool.allocate(2)  # the never-hashed page first, then the least recently freed: a[1]
+    assert evicted == [(a[1], b"h1")] and pool.match([b"h0", b"h1"]) == [a[0]]

@@ -1,0 +1,149 @@
+"""Step time and bytes communicated per step: TP=1, TP=2 and TP=2 + expert parallel, on CPU.
+
+A random Qwen3-MoE checkpoint (float32) is written once; each configuration then runs in its
+own processes (rank 0 spawns the others, as `longctx generate --tensor-parallel-size` does),
+with the machine's cores split evenly between ranks. Measured on rank 0: one prefill step
+(B prompts of P tokens) and the mean of S decode steps of B tokens (after a warm-up step), and the bytes this rank
+put into collectives per step (all-reduce, all-gather, all-to-all payloads and the plan
+broadcast). Prints a table and writes JSON to bench/results/parallel.json.
+
+    python bench/parallel.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results"
+MODEL = dict(
+    hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=8192, num_experts=8,
+    num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=4096,
+)  # fmt: skip
+# name: (ranks, expert parallel, threads per rank; 0 = the machine's cores split evenly)
+CONFIGS = {"tp1": (1, False, 0), "tp1-1thread": (1, False, 1), "tp2": (2, False, 0), "tp2+ep": (2, True, 0)}
+
+
+def write_checkpoint(path: Path) -> None:
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**MODEL)).save_pretrained(path)
+
+
+def run_rank(model_dir: Path, world_size: int, expert_parallel: bool, batch: int, prompt: int, steps: int) -> None:
+    """One configuration; rank 0 prints its measurements as a JSON line."""
+    import torch
+
+    from engine.attention.torch_paged import TorchPagedBackend
+    from engine.config import ModelConfig
+    from engine.distributed_runner import DistributedRunner, serve_worker
+    from engine.launch import finish_parallel, init_parallel
+    from engine.model_runner import Chunk, ModelRunner
+    from engine.parallel import SINGLE
+    from engine.weights import SafetensorsSource, load_model
+    from kvstore.block_pool import BlockPool
+    from kvstore.kv_cache import KVCache
+    from kvstore.spec import KVSpec
+
+    ctx, watchdog = init_parallel(world_size, expert_parallel) if world_size > 1 else (SINGLE, None)
+    if world_size == 1 and os.environ.get("LONGCTX_THREADS"):
+        torch.set_num_threads(int(os.environ["LONGCTX_THREADS"]))
+    config = ModelConfig.from_pretrained_dir(model_dir)
+    model, stats = load_model(config, SafetensorsSource(model_dir), torch.float32, progress=False, parallel=ctx)
+    if not ctx.is_driver:
+        serve_worker(model, ctx, watchdog)
+        return
+    page = 16
+    spec = KVSpec(config.num_layers, model.local_kv_heads, config.head_dim, page, "float32")
+    pages_per_seq = -(-(prompt + steps + 1) // page)
+    backend = TorchPagedBackend(model.local_heads, model.local_kv_heads, config.head_dim)
+    runner = ModelRunner(model, KVCache(spec, batch * pages_per_seq + 2), backend)
+    if watchdog is not None:
+        runner = DistributedRunner(runner, ctx, watchdog)
+    pool = BlockPool(runner.kv_cache.num_pages)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, config.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
+    tables = [pool.allocate(pages_per_seq) for _ in range(batch)]
+    warm = pool.allocate(1)
+    for n in (16, 1):  # first calls allocate and pick kernels: not part of a step's time
+        runner.run([Chunk(prompts[0][:n], warm, n)])
+    ctx.comm.reset()
+    t0 = time.perf_counter()
+    logits = runner.run([Chunk(p, t, prompt) for p, t in zip(prompts, tables, strict=True)])
+    prefill_s, prefill_comm = time.perf_counter() - t0, ctx.comm.total
+    tokens = logits.argmax(-1).tolist()
+    ctx.comm.reset()
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        chunks = [Chunk([tok], t, prompt + i + 1) for tok, t in zip(tokens, tables, strict=True)]
+        tokens = runner.run(chunks).argmax(-1).tolist()
+        times.append(time.perf_counter() - t0)
+    out = {
+        "ranks": world_size,
+        "expert_parallel": expert_parallel,
+        "threads_per_rank": torch.get_num_threads(),
+        "bytes_read_per_rank": stats.bytes_read,
+        "prefill_ms": prefill_s * 1e3,
+        "prefill_comm_bytes": prefill_comm,
+        "decode_ms": sum(times) / len(times) * 1e3,
+        "decode_comm_bytes_per_step": ctx.comm.total / steps,
+    }
+    if isinstance(runner, DistributedRunner) and watchdog is not None:
+        runner.shutdown()
+        finish_parallel(watchdog)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--rank-of", nargs=3, metavar=("MODEL", "RANKS", "EP"), help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--steps", type=int, default=32)
+    args = p.parse_args()
+    if args.quick:
+        args.prompt, args.steps = 64, 8
+    if args.rank_of:
+        model, n, ep = args.rank_of
+        run_rank(Path(model), int(n), ep == "1", args.batch, args.prompt, args.steps)
+        return
+    results: dict[str, Any] = {"model": MODEL, "batch": args.batch, "prompt": args.prompt, "cores": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint(Path(tmp))
+        for name, (n, ep, threads) in CONFIGS.items():
+            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+            env |= {"LONGCTX_THREADS": str(threads)} if threads else {}
+            cmd = [sys.executable, __file__, "--rank-of", tmp, str(n), "1" if ep else "0"]
+            cmd += ["--batch", str(args.batch), "--prompt", str(args.prompt), "--steps", str(args.steps)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+            results[name] = json.loads(lines[-1].removeprefix("RESULT "))
+    print(f"{'config':12} {'threads/rank':>12} {'MB read/rank':>12} {'prefill ms':>10} {'prefill comm MB':>15} "
+          f"{'decode ms':>9} {'decode comm KB/step':>19}")  # fmt: skip
+    for name in CONFIGS:
+        r = results[name]
+        print(f"{name:12} {r['threads_per_rank']:>12} {r['bytes_read_per_rank'] / 1e6:>12.1f} {r['prefill_ms']:>10.1f} "
+              f"{r['prefill_comm_bytes'] / 1e6:>15.2f} {r['decode_ms']:>9.2f} "
+              f"{r['decode_comm_bytes_per_step'] / 1e3:>19.1f}")  # fmt: skip
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "parallel.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""One KV page as bytes: a msgspec header and the payload, verified before any use.
+
+Value layout: `<u32 little-endian header length><msgpack header><payload>`. The payload holds
+all layers' K and V of one page, `[num_layers, 2, page_size, num_kv_heads, head_dim]`, in the
+storage dtype; for int8 it is followed by float32 scales `[num_layers, 2, num_kv_heads]`
+(one per page, layer, K/V and head: absmax / 127). A value whose header names another
+namespace, page, dtype or shape, whose length is wrong, or whose crc32 does not match, is
+rejected with `BadPage`: wrong KV is never used.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import msgspec
+import torch
+
+from kvstore.spec import KVSpec
+
+FORMAT_VERSION = 1
+_LEN = struct.Struct("<I")
+
+
+class BadPage(ValueError):
+    """A stored page that must not be used (damaged, truncated, foreign)."""
+
+
+class PageHeader(msgspec.Struct, array_like=True, frozen=True):
+    version: int
+    namespace: str  # Namespace.key of the model that computed the page
+    page_hash: bytes
+    dtype: str  # storage dtype of the payload
+    shape: tuple[int, ...]  # [num_layers, 2, page_size, num_kv_heads, head_dim]
+    payload_len: int
+    crc32: int
+
+
+_decoder = msgspec.msgpack.Decoder(PageHeader)
+
+
+def quantize_int8(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per page, layer, K/V and head.
+
+    Args:
+        pages: [N, L, 2, P, H, D] any float dtype.
+    Returns:
+        (int8 [N, L, 2, P, H, D], float32 scales [N, L, 2, H]).
+    """
+    x = pages.float()
+    scales = x.abs().amax(dim=(3, 5)).clamp_min(1e-8) / 127.0  # [N, L, 2, H]
+    q = torch.round(x / scales[:, :, :, None, :, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize_int8`: [N, L, 2, P, H, D] in `dtype`."""
+    return (q.float() * scales[:, :, :, None, :, None]).to(dtype)
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+class PageCodec:
+    """Encodes pages of one model (`spec`) for storage in `kv_dtype` under `namespace`.
+
+    Args:
+        spec: the device KV layout (its dtype is the model dtype).
+        kv_dtype: storage dtype: spec.dtype or "int8".
+        namespace: Namespace.key of this model.
+    """
+
+    def __init__(self, spec: KVSpec, kv_dtype: str, namespace: str):
+        if kv_dtype not in (spec.dtype, "int8"):
+            raise ValueError(f"kv_dtype must be the model dtype ({spec.dtype}) or int8, got {kv_dtype!r}")
+        self.spec = spec
+        self.kv_dtype = kv_dtype
+        self.namespace = namespace
+        self.shape = (spec.num_layers, 2, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        self.model_dtype: torch.dtype = getattr(torch, spec.dtype)
+        numel = spec.num_layers * 2 * spec.page_size * spec.num_kv_heads * spec.head_dim
+        if kv_dtype == "int8":
+            self.payload_len = numel + 4 * spec.num_layers * 2 * spec.num_kv_heads
+        else:
+            self.payload_len = numel * self.model_dtype.itemsize
+
+    def payloads(self, pages: torch.Tensor) -> list[bytes]:
+        """[N, L, 2, P, H, D] model dtype -> N payloads in the storage dtype."""
+        if self.kv_dtype != "int8":
+            return [_bytes(p) for p in pages]
+        q, scales = quantize_int8(pages)
+        return [_bytes(qi) + _bytes(si) for qi, si in zip(q, scales, strict=True)]
+
+    def encode(self, page_hash: bytes, payload: bytes) -> bytes:
+        header = PageHeader(
+            FORMAT_VERSION, self.namespace, page_hash, self.kv_dtype, self.shape, len(payload), zlib.crc32(payload)
+        )
+        raw = msgspec.msgpack.encode(header)
+        return _LEN.pack(len(raw)) + raw + payload
+
+    def decode(self, value: bytes, page_hash: bytes) -> bytes:
+        """The verified payload of a stored page; raises BadPage."""
+        if len(value) < _LEN.size:
+            raise BadPage("value shorter than its header length")
+        (n,) = _LEN.unpack_from(value)
+        try:
+            header = _decoder.decode(value[_LEN.size : _LEN.size + n])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise BadPage(f"unreadable header: {e}") from None
+        expected = (FORMAT_VERSION, self.namespace, page_hash, self.kv_dtype, self.shape, self.payload_len)
+        found = (header.version, header.namespace, header.page_hash, header.dtype, header.shape, header.payload_len)
+        if found != expected:
+            raise BadPage(f"header {found} does not describe this page {expected}")
+        payload = value[_LEN.size + n :]
+        if len(payload) != self.payload_len:
+            raise BadPage(f"payload of {len(payload)} bytes, expected {self.payload_len}")
+        if zlib.crc32(payload) != header.crc32:
+            raise BadPage("payload checksum mismatch")
+        return payload
+
+    def to_tensor(self, payloads: list[bytes]) -> torch.Tensor:
+        """Verified payloads -> [N, L, 2, P, H, D] in the model dtype."""
+        buf = bytearray(b"".join(payloads))
+        n = len(payloads)
+        if self.kv_dtype != "int8":
+            return torch.frombuffer(buf, dtype=self.model_dtype).view(n, *self.shape)
+        raw = torch.frombuffer(buf, dtype=torch.uint8).view(n, self.payload_len)
+        numel = self.payload_len - 4 * self.shape[0] * 2 * self.shape[3]
+        q = raw[:, :numel].contiguous().view(torch.int8).view(n, *self.shape)
+        scales = raw[:, numel:].contiguous().view(torch.float32).view(n, self.shape[0], 2, self.shape[3])
+        return dequantize_int8(q, scales, self.model_dtype)

@@ -1,0 +1,84 @@
+"""Content-addressed page hashes: the key that makes a KV page reusable across turns,
+processes and replicas. Plain Python, no tensors.
+
+A full page's hash is blake2b-128 over (parent page's hash, the page's token ids as int32
+little-endian, namespace digest). Chaining makes a hash name the whole prefix, not only the
+page's own tokens; the namespace (model fingerprint + tenant salt) keeps pages of different
+weights, dtypes, page sizes, shards or tenants apart. Python's `hash()` is salted per process
+and 64-bit: it can never name a page stored for another process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import msgspec
+
+ROOT = b""  # the parent of a sequence's first page
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What KV computed by this process depends on. Two processes share pages only when equal.
+
+    Attributes:
+        architecture: the model class (e.g. LlamaForCausalLM).
+        weights: a digest of the weight bytes computed while they streamed in (xxh3-128 hex).
+        dtype: the dtype the model computes in.
+        kv_dtype: the dtype pages are stored in outside device memory ("int8" or the model dtype).
+        page_size: tokens per page.
+        tp_size, tp_rank: tensor-parallel shard (each rank stores its own heads).
+    """
+
+    architecture: str
+    weights: str
+    dtype: str
+    kv_dtype: str
+    page_size: int
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    @property
+    def digest(self) -> bytes:
+        """16 bytes naming the model side of the namespace (used in Redis keys)."""
+        return hashlib.blake2b(msgspec.msgpack.encode(self.__dict__), digest_size=16).digest()
+
+    @property
+    def key(self) -> str:
+        return self.digest.hex()
+
+    def salted(self, cache_salt: str) -> bytes:
+        """The digest chained into page hashes: the model namespace and the tenant."""
+        if not cache_salt:
+            return self.digest
+        return hashlib.blake2b(self.digest + cache_salt.encode(), digest_size=16).digest()
+
+
+def hash_page(parent: bytes, token_ids: list[int], namespace: bytes) -> bytes:
+    """blake2b-128(parent hash, token ids as int32 little-endian, namespace digest)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent)
+    h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
+    h.update(namespace)
+    return h.digest()
+
+
+def extend_hashes(hashes: list[bytes], token_ids: list[int], page_size: int, namespace: bytes) -> list[bytes]:
+    """Append the hashes of every full page of `token_ids` not yet in `hashes` (in place)."""
+    for i in range(len(hashes), len(token_ids) // page_size):
+        parent = hashes[i - 1] if i else ROOT
+        hashes.append(hash_page(parent, token_ids[i * page_size : (i + 1) * page_size], namespace))
+    return hashes
+
+
+def page_hashes(token_ids: list[int], page_size: int, namespace: bytes) -> list[bytes]:
+    """Hashes of the full pages of `token_ids`, first page first."""
+    return extend_hashes([], token_ids, page_size, namespace)
+
+
+def max_cached_pages(num_tokens: int, page_size: int) -> int:
+    """Pages a prompt may take from a cache: the last token is always computed (its logits
+    are needed), so at most floor((num_tokens - 1) / page_size)."""
+    return max(0, (num_tokens - 1) // page_size)

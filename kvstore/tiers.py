@@ -1,0 +1,146 @@
+"""KV tiers below device memory: a host-memory pool and Redis, behind one connector.
+
+`TieredStore` is the engine's KV connector. Pages whose device memory is reused go to the
+host tier (its own byte budget, LRU); full pages computed by the engine are written behind
+to Redis. A lookup takes the leading pages found in host memory at once, and asks Redis for
+the rest on a background thread; the engine admits the request when that completes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvstore.codec import PageCodec
+from kvstore.kv_cache import KVCache
+from kvstore.redis_tier import RedisTier
+
+
+@dataclass(slots=True)
+class HostCounters:
+    stored: int = 0  # pages copied in from device memory
+    hits: int = 0  # pages loaded back into device memory
+    evicted: int = 0  # pages dropped for the byte budget
+
+
+class HostTier:
+    """Payloads (storage dtype) of pages evicted from device memory, LRU within `budget_bytes`."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.num_bytes = 0
+        self._pages: OrderedDict[bytes, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self.counters = HostCounters()
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def put(self, page_hash: bytes, payload: bytes) -> None:
+        if len(payload) > self.budget_bytes:
+            return
+        with self._lock:
+            old = self._pages.pop(page_hash, None)
+            if old is not None:
+                self.num_bytes -= len(old)
+            while self.num_bytes + len(payload) > self.budget_bytes:
+                _, dropped = self._pages.popitem(last=False)
+                self.num_bytes -= len(dropped)
+                self.counters.evicted += 1
+            self._pages[page_hash] = payload
+            self.num_bytes += len(payload)
+            self.counters.stored += 1
+
+    def get_prefix(self, hashes: list[bytes]) -> list[bytes]:
+        """Payloads of the leading `hashes` held here (stops at the first miss)."""
+        out = []
+        with self._lock:
+            for h in hashes:
+                payload = self._pages.get(h)
+                if payload is None:
+                    break
+                self._pages.move_to_end(h)
+                out.append(payload)
+        return out
+
+
+class _Fetch:
+    """One lookup: host payloads at hand, Redis payloads (verified) arriving batch by batch."""
+
+    def __init__(self, store: TieredStore, host: list[bytes]):
+        self.store = store
+        self.host = host
+        self.remote: Future[None] | None = None
+        self.arrived: list[bytes] = []  # appended by the lookup thread
+        self.cancel = threading.Event()
+        self.payloads: list[bytes] = []
+
+    def ready(self) -> bool:
+        return self.remote is None or self.remote.done()
+
+    def take(self, expired: bool) -> int:
+        """With `expired`, the pages that arrived in time are used and the lookup is stopped."""
+        self.cancel.set()
+        self.payloads = self.host + self.arrived[:]  # a snapshot: the lookup thread may still append
+        return len(self.payloads)
+
+    def load(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        n_host = min(len(self.host), len(pages))
+        self.store.host.counters.hits += n_host
+        if self.store.redis is not None:
+            self.store.redis.counters.loaded += len(pages) - n_host
+        data = self.store.codec.to_tensor(self.payloads[: len(pages)])
+        self.store.kv_cache.write_pages(pages, data)
+
+
+class TieredStore:
+    """The host and Redis tiers as the engine's KV connector.
+
+    Args:
+        kv_cache: the device KV tensors pages are copied from and into.
+        codec: page encoding (storage dtype, namespace).
+        host_cache_bytes: host tier budget (0 = no host tier).
+        redis: the Redis tier, or None.
+    """
+
+    def __init__(self, kv_cache: KVCache, codec: PageCodec, host_cache_bytes: int = 0, redis: RedisTier | None = None):
+        self.kv_cache = kv_cache
+        self.codec = codec
+        self.host = HostTier(host_cache_bytes)
+        self.redis = redis
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="longctx-kv-lookup") if redis else None
+
+    def fetch(self, page_hashes: list[bytes]) -> _Fetch | None:
+        if not page_hashes or (self.host.budget_bytes == 0 and self.redis is None):
+            return None
+        host = self.host.get_prefix(page_hashes)
+        fetch = _Fetch(self, host)
+        rest = page_hashes[len(host) :]
+        if rest and self.redis is not None and self._lookups is not None and self.redis.available():
+            fetch.remote = self._lookups.submit(self.redis.get_prefix, rest, fetch.arrived, fetch.cancel)
+        return fetch
+
+    def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
+        if self.redis is None:
+            return
+        if not self.redis.available():
+            self.redis.counters.dropped += len(pages)  # the tier is down: no copy is taken
+            return
+        self.redis.save(page_hashes, self.kv_cache.read_pages(pages))
+
+    def evict(self, evicted: list[tuple[int, bytes]]) -> None:
+        if self.host.budget_bytes == 0 or not evicted:
+            return
+        data = self.kv_cache.read_pages([p for p, _ in evicted])
+        for (_, h), payload in zip(evicted, self.codec.payloads(data), strict=True):
+            self.host.put(h, payload)
+
+    def close(self) -> None:
+        if self._lookups is not None:
+            self._lookups.shutdown(wait=False, cancel_futures=True)
+        if self.redis is not None:
+            self.redis.close()

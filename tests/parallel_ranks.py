@@ -1,0 +1,132 @@
+"""What each rank runs in tests/test_parallel.py (`python -m tests.parallel_ranks MODE ...`).
+
+Kept apart from the test module so that a rank imports neither pytest nor transformers.
+
+    logits MODEL OUT [--modes tp,ep]: RANK/WORLD_SIZE/MASTER_* set by the caller (as torchrun does);
+        a mixed prefill/decode step through a sharded runner on every rank, then greedy
+        requests through the engine on rank 0 with the other ranks replaying its plans.
+        Each rank saves its results per mode to OUT/rank{r}-{mode}.pt.
+    serve MODEL: rank 0 spawns rank 1 itself and generates until killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.distributed_runner import DistributedRunner, serve_worker
+from engine.engine import Engine, EngineConfig
+from engine.launch import finish_parallel, init_parallel
+from engine.model import CausalLM
+from engine.model_runner import ModelRunner
+from engine.parallel import ParallelContext
+from engine.sampling_params import SamplingParams
+from engine.weights import SafetensorsSource, load_model
+from kvstore.block_pool import BlockPool
+from kvstore.kv_cache import KVCache
+from kvstore.spec import KVSpec
+
+PROMPT_LENGTHS = (7, 23, 45)
+MIXED_SPLIT = 20
+PAGE_SIZE = 4
+GREEDY_TOKENS = 24
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    p = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    return [p[2], p[0], p[1]]  # the long one prefills a chunk while two decode
+
+
+def sharded_runner(model: CausalLM, num_pages: int = 256) -> ModelRunner:
+    from engine.attention.torch_paged import TorchPagedBackend
+
+    c = model.config
+    spec = KVSpec(c.num_layers, model.local_kv_heads, c.head_dim, PAGE_SIZE, "float32")
+    return ModelRunner(
+        model, KVCache(spec, num_pages), TorchPagedBackend(model.local_heads, model.local_kv_heads, c.head_dim)
+    )
+
+
+def engine_config() -> EngineConfig:
+    return EngineConfig(kv_cache_bytes=4 << 20, page_size=PAGE_SIZE, enable_prefix_caching=False)
+
+
+def greedy_with_engine(engine: Engine, vocab: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+    handles = [engine.add_request(p, params) for p in prompts(vocab)]
+    engine.run_until_idle()
+    return [[t for out in h for t in out.token_ids] for h in handles]
+
+
+def run_logits(model_dir: Path, out: Path, modes: list[str]) -> None:
+    base, watchdog = init_parallel(2)
+    for mode in modes:  # one process group, the model built again per mode
+        ctx = ParallelContext(base.rank, base.world_size, mode == "ep", base.group)
+        torch.save(run_mode(ctx, model_dir), out / f"rank{ctx.rank}-{mode}.pt")
+    finish_parallel(watchdog)
+
+
+def run_mode(ctx: ParallelContext, model_dir: Path) -> dict[str, object]:
+    from tests.tiny_models import run_mixed_step
+
+    config = ModelConfig.from_pretrained_dir(model_dir)
+    model, stats = load_model(config, SafetensorsSource(model_dir), torch.float32, progress=False, parallel=ctx)
+    runner = sharded_runner(model)
+    ctx.comm.reset()
+    mixed = run_mixed_step(runner, BlockPool(runner.kv_cache.num_pages), prompts(config.vocab_size), MIXED_SPLIT)
+    comm = ctx.comm.total
+    result: dict[str, object] = {"mixed": mixed, "bytes_read": stats.bytes_read, "comm": comm}
+    result["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    if ctx.is_driver:
+        engine = Engine(model, None, engine_config(), parallel=ctx)
+        dist_runner = DistributedRunner(engine.runner, ctx)
+        engine.runner = dist_runner
+        result["greedy"] = greedy_with_engine(engine, config.vocab_size)
+        dist_runner.shutdown()
+    else:
+        result["steps"] = serve_worker(model, ctx)
+    return result
+
+
+def run_serve(model_dir: Path) -> None:
+    ctx, watchdog = init_parallel(2, dead_after_s=10.0)
+    config = ModelConfig.from_pretrained_dir(model_dir)
+    model, _ = load_model(config, SafetensorsSource(model_dir), torch.float32, progress=False, parallel=ctx)
+    if not ctx.is_driver:
+        serve_worker(model, ctx, watchdog)
+        return
+    engine = Engine(model, None, engine_config(), parallel=ctx)
+    engine.runner = DistributedRunner(engine.runner, ctx, watchdog)
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    announced = False
+    while True:  # until rank 1 dies
+        engine.add_request(prompts(config.vocab_size)[0], params)
+        while engine.has_unfinished():
+            engine.step()
+            if not announced:
+                print("generating", flush=True)
+                announced = True
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s: %(message)s")
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["logits", "serve"])
+    p.add_argument("model", type=Path)
+    p.add_argument("out", type=Path, nargs="?")
+    p.add_argument("--modes", default="tp", help="comma-separated: tp (tensor parallel), ep (experts too)")
+    args = p.parse_args(argv)
+    if args.mode == "logits":
+        run_logits(args.model, args.out, args.modes.split(","))
+    else:
+        run_serve(args.model)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,249 @@
+"""Tensor and expert parallelism on 2 CPU ranks (gloo) against the single-process engine.
+
+Each case launches two real processes (`tests/parallel_ranks.py`) the way torchrun would, and
+compares with the same checkpoint run in this process: the logits of a mixed prefill/decode
+step, greedy tokens through the engine (rank 0 schedules, rank 1 replays its plans), and the
+bytes each rank read from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+)
+
+from engine.engine import Engine
+from engine.launch import free_port
+from engine.parallel import ParallelContext, split_range
+from engine.safetensors_file import read_header, read_tensor, read_tensor_part
+from engine.tp import SourceSlice, split_heads
+from kvstore.block_pool import BlockPool
+from tests import parallel_ranks as ranks
+from tests.tiny_models import TinyModel, build_tiny, rel_error, run_mixed_step
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+QWEN2_MOE = {
+    "num_experts": 6,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "norm_topk_prob": False,
+    "num_hidden_layers": 3,
+    "mlp_only_layers": [1],
+}
+# Modes: tp = tensor parallel everywhere; ep = attention tensor parallel, whole experts per rank.
+CASES: dict[str, tuple[type, type, dict[str, Any], tuple[str, ...]]] = {
+    # One KV head for two ranks (replicated), q/k/v biases, tied embeddings, an odd vocabulary.
+    "qwen2-kv1-tied": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        {"num_key_value_heads": 1, "vocab_size": 161, "tie_word_embeddings": True},
+        ("tp",),
+    ),
+    # Also a dense middle layer, a shared expert, and two KV heads split over the ranks.
+    "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, QWEN2_MOE, ("tp", "ep")),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 8, "num_experts_per_tok": 2}, ("ep",)),
+}
+THRESHOLD = 1e-5
+
+
+def launch_ranks(
+    model: Path, out: Path, modes: tuple[str, ...], world_size: int = 2
+) -> dict[str, list[dict[str, Any]]]:
+    """Both ranks as separate processes with torchrun's environment; their results per mode."""
+    env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size)}
+    env |= {"LONGCTX_THREADS": "1", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world_size)}
+    cmd = [sys.executable, "-m", "tests.parallel_ranks", "logits", str(model), str(out), "--modes", ",".join(modes)]
+    logs = [out / f"rank{r}.log" for r in range(world_size)]  # files, not pipes: a full pipe would block a rank
+    procs = []
+    for r in range(world_size):
+        with open(logs[r], "wb") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, stderr=log))
+    for r, p in enumerate(procs):
+        p.wait(timeout=120)
+        assert p.returncode == 0, f"rank {r} failed:\n{logs[r].read_text()[-3000:]}"
+    return {m: [torch.load(out / f"rank{r}-{m}.pt") for r in range(world_size)] for m in modes}
+
+
+def single_process_results(t: TinyModel) -> tuple[list[torch.Tensor], list[list[int]]]:
+    runner = ranks.sharded_runner(t.model)
+    mixed = run_mixed_step(runner, BlockPool(runner.kv_cache.num_pages), ranks.prompts(t.config.vocab_size), 20)
+    engine = Engine(t.model, None, ranks.engine_config())
+    return mixed, ranks.greedy_with_engine(engine, t.config.vocab_size)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[TinyModel, Any]:
+    config_cls, model_cls, kwargs, modes = CASES[request.param]
+    tmp = tmp_path_factory.mktemp(request.param)
+    torch.set_num_threads(1)
+    t = build_tiny(config_cls, model_cls, tmp / "model", **kwargs)
+    (tmp / "out").mkdir()
+    return t, launch_ranks(t.path, tmp / "out", modes)
+
+
+def test_logits_and_greedy_tokens_match_single_process(case: tuple[TinyModel, Any]) -> None:
+    t, by_mode = case
+    mixed, greedy = single_process_results(t)
+    assert all(len(g) == ranks.GREEDY_TOKENS for g in greedy)
+    for mode, results in by_mode.items():
+        for r, res in enumerate(results):
+            for ours, ref in zip(res["mixed"], mixed, strict=True):
+                err = rel_error(ours, ref)
+                assert err < THRESHOLD, f"{mode} rank {r}: error {err:.2e}"
+            assert res["comm"] > 0  # the step really communicated
+        assert results[0]["greedy"] == greedy, mode
+        assert results[1]["steps"] > 0  # rank 1 replayed rank 0's plans
+
+
+def _replicated(name: str, shape: tuple[int, ...], num_kv_heads: int) -> bool:
+    """Checkpoint tensors every rank reads whole: norms, routers, the shared expert's gate."""
+    if len(shape) == 1 and "norm" in name:
+        return True
+    if name.endswith((".gate.weight", "shared_expert_gate.weight")):
+        return True
+    return num_kv_heads < 2 and any(p in name for p in ("k_proj", "v_proj"))
+
+
+def test_each_rank_reads_its_share_of_the_checkpoint(case: tuple[TinyModel, Any]) -> None:
+    """From the loader's own counter: each rank reads exactly its parameters' bytes, i.e. 1/N of
+    every split tensor plus the replicated ones whole."""
+    t, by_mode = case
+    entries = [e for f in sorted(t.path.glob("*.safetensors")) for e in read_header(f)]
+    total = sum(e.nbytes for e in entries)
+    replicated = sum(e.nbytes for e in entries if _replicated(e.name, e.shape, t.config.num_kv_heads))
+    split = total - replicated
+    for mode, results in by_mode.items():
+        read = [res["bytes_read"] for res in results]
+        assert read == [res["param_bytes"] for res in results], mode
+        assert sum(read) == total + replicated, mode
+        for r, n in enumerate(read):
+            assert abs(n - replicated - split / 2) <= 0.02 * split, f"{mode} rank {r} read {n} of {total} bytes"
+
+
+def test_rank_death_fails_rank_zero_naming_it(tmp_path: Path) -> None:
+    """SIGKILL of rank 1 mid-generation: rank 0 (which spawned it) exits non-zero within 60 s,
+    naming rank 1."""
+    t = build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path / "model")
+    log = tmp_path / "rank0.log"
+    env = os.environ | {"LONGCTX_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    with open(log, "wb") as err:
+        rank0 = subprocess.Popen(
+            [sys.executable, "-m", "tests.parallel_ranks", "serve", str(t.path)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
+        try:
+            assert rank0.stdout is not None
+            assert rank0.stdout.readline().strip() == b"generating"
+            spawned = re.search(rb"spawned rank 1 \(pid (\d+)\)", log.read_bytes())
+            assert spawned is not None
+            pid = int(spawned.group(1))
+            time.sleep(0.5)
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            rc = rank0.wait(timeout=60)
+            elapsed = time.monotonic() - t0
+        finally:
+            rank0.kill()
+    text = log.read_text()
+    assert rc != 0 and elapsed < 60
+    assert "rank 1 failed" in text and "SIGKILL" in text, text[-2000:]
+
+
+def test_split_helpers() -> None:
+    assert [split_range(161, 2, r) for r in range(2)] == [(0, 81), (81, 80)]
+    ctx = ParallelContext(1, 4)
+    assert split_heads(8, 2, ctx) == (2, 2, 0, 1)  # 2 query heads per rank, KV head 0 replicated
+    assert split_heads(8, 8, ctx) == (2, 2, 2, 2)
+    with pytest.raises(ValueError, match="not divisible"):
+        split_heads(6, 2, ctx)
+
+
+def test_read_tensor_part_reads_only_the_part(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    x = torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5)
+    save_file({"x": x}, tmp_path / "a.safetensors")
+    (entry,) = read_header(tmp_path / "a.safetensors")
+    assert torch.equal(read_tensor(entry), x)
+    for part in (SourceSlice(0, ((1, 2),)), SourceSlice(1, ((0, 2), (3, 2))), SourceSlice(2, ((4, 1),))):
+        got, nbytes = read_tensor_part(entry, part.dim, part.ranges)
+        assert torch.equal(got, part.take(x)) and nbytes == got.numel() * 4
+
+
+def test_cli_spawns_ranks_with_expert_parallelism(tmp_path: Path, demo_float32: Any) -> None:
+    """`longctx generate --tensor-parallel-size 2 --expert-parallel` spawns rank 1 itself and prints
+    transformers' greedy text for a tiny Qwen3-MoE with the demo tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tiny = build_tiny(
+        Qwen3MoeConfig, Qwen3MoeForCausalLM, tmp_path, vocab_size=49152, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, decoder_sparse_step=1,
+    )  # fmt: skip
+    tok = demo_float32.tokenizer
+    tok.hf.save_pretrained(tmp_path)
+    prompt = "The quick brown fox"
+    ids = tok.encode(prompt)
+    tiny.ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = tiny.ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, min_new_tokens=12)
+    expected = tok.decode(ref[0, len(ids) :].tolist())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "api.cli", "generate", "--model", str(tmp_path), "--prompt", prompt]
+    cmd += ["--max-tokens", "12", "--dtype", "float32", "--tensor-parallel-size", "2", "--expert-parallel"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env | {"HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == expected + "\n"
+    assert "spawned rank 1" in out.stderr and "rank 1 of 2 ready" in out.stderr
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_fused_expert_layout_shards_identically(tmp_path: Path, expert_parallel: bool) -> None:
+    """transformers 5's fused expert tensors give each rank the same parameters as per-expert
+    tensors (loading needs no process group), and those are the right slices of the whole."""
+    from engine.weights import SafetensorsSource, load_model
+    from tests.test_moe import fuse_checkpoint
+
+    t = build_tiny(Qwen2MoeConfig, Qwen2MoeForCausalLM, tmp_path / "a", **QWEN2_MOE)
+    fuse_checkpoint(t.path, tmp_path / "b")
+    whole = t.model.model.layers[0].mlp
+    I = QWEN2_MOE["moe_intermediate_size"] // 2
+    for rank in range(2):
+        ctx = ParallelContext(rank, 2, expert_parallel)
+        a, _ = load_model(t.config, SafetensorsSource(t.path), torch.float32, progress=False, parallel=ctx)
+        b, _ = load_model(t.config, SafetensorsSource(tmp_path / "b"), torch.float32, progress=False, parallel=ctx)
+        for (n1, p1), (n2, p2) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+            assert n1 == n2 and torch.equal(p1, p2), n1
+        mine = a.model.layers[0].mlp
+        if expert_parallel:  # experts 3r .. 3r + 2, whole
+            assert torch.equal(mine.w13, whole.w13[3 * rank : 3 * rank + 3])
+            assert torch.equal(mine.w2, whole.w2[3 * rank : 3 * rank + 3])
+        else:  # columns [I r, I (r + 1)) of every expert's gate and up, and the same rows of down
+            cols = slice(I * rank, I * (rank + 1))
+            up = slice(2 * I + I * rank, 2 * I + I * (rank + 1))
+            assert torch.equal(mine.w13, torch.cat((whole.w13[:, cols], whole.w13[:, up]), dim=1))
+            assert torch.equal(mine.w2, whole.w2[:, :, cols])

@@ -1,0 +1,153 @@
+"""Page codec, host tier and int8 KV storage (no Redis here: see test_redis_tier.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.attention.torch_paged import TorchPagedBackend
+from engine.engine import Engine, EngineConfig
+from engine.model_runner import Chunk, ModelRunner
+from kvstore.codec import BadPage, PageCodec
+from kvstore.kv_cache import KVCache
+from kvstore.prefix import Namespace
+from kvstore.spec import KVSpec
+from kvstore.tiers import HostTier
+from tests.test_prefix import first_logits, page_bytes
+from tests.tiny_models import TinyModel, build_tiny
+
+SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, page_size=16, dtype="bfloat16")
+
+
+def _pages(n: int) -> torch.Tensor:
+    return torch.randn(n, 3, 2, 16, 2, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+
+
+def test_codec_round_trip_and_sizes() -> None:
+    codec = PageCodec(SPEC, "bfloat16", "ns")
+    pages = _pages(3)
+    payloads = codec.payloads(pages)
+    assert all(len(p) == SPEC.bytes_per_page == codec.payload_len for p in payloads)
+    values = [codec.encode(bytes([i]) * 16, p) for i, p in enumerate(payloads)]
+    back = codec.to_tensor([codec.decode(v, bytes([i]) * 16) for i, v in enumerate(values)])
+    assert torch.equal(back, pages)
+    assert len(values[0]) - len(payloads[0]) < 100  # a small header
+
+    q = PageCodec(SPEC, "int8", "ns")
+    qp = q.payloads(pages)
+    assert len(qp[0]) == SPEC.bytes_per_page // 2 + 4 * 3 * 2 * 2  # int8 values + one float32 scale per head
+    approx = q.to_tensor([q.decode(q.encode(b"h" * 16, p), b"h" * 16) for p in qp[:1]])
+    err = float((approx.float() - pages[:1].float()).abs().max() / pages[:1].float().abs().max())
+    assert 0 < err < 0.02
+
+
+def test_codec_rejects_damaged_truncated_and_foreign_pages() -> None:
+    codec = PageCodec(SPEC, "bfloat16", "ns")
+    h = b"h" * 16
+    value = codec.encode(h, codec.payloads(_pages(1))[0])
+    flipped = bytearray(value)
+    flipped[len(value) // 2] ^= 0xFF
+    foreign_model = PageCodec(SPEC, "bfloat16", "other-ns").encode(h, codec.payloads(_pages(1))[0])
+    other_shape = KVSpec(3, 2, 8, 16, "float32")
+    foreign_shape = PageCodec(other_shape, "float32", "ns").encode(h, b"\0" * other_shape.bytes_per_page)
+    for bad, why in [
+        (bytes(flipped), "checksum"),
+        (value[:-10], "payload of"),
+        (value[:3], "shorter"),
+        (b"\xff\xff\x00\x00garbage", "header"),
+        (foreign_model, "does not describe"),
+        (foreign_shape, "does not describe"),
+        (codec.encode(b"x" * 16, codec.payloads(_pages(1))[0]), "does not describe"),  # another page
+    ]:
+        with pytest.raises(BadPage, match=why):
+            codec.decode(bad, h)
+
+
+def test_host_tier_lru_budget() -> None:
+    host = HostTier(budget_bytes=30)
+    for i in range(4):
+        host.put(bytes([i]), b"x" * 10)
+    assert len(host) == 3 and host.counters.evicted == 1
+    assert host.get_prefix([b"\x01", b"\x02", b"\x00", b"\x03"]) == [b"x" * 10] * 2  # stops at the evicted one
+    host.put(b"\x04", b"y" * 10)  # evicts the least recently used: 3
+    assert host.get_prefix([b"\x03"]) == [] and host.get_prefix([b"\x01", b"\x02", b"\x04"])[-1] == b"y" * 10
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    return build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path_factory.mktemp("tiers-dense"))
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_evicted_pages_come_back_from_host_tier(dense: TinyModel, kv_dtype: str) -> None:
+    g = torch.Generator().manual_seed(2)
+    vocab = dense.config.vocab_size
+    a = torch.randint(0, vocab, (70,), generator=g).tolist()
+    b = torch.randint(0, vocab, (100,), generator=g).tolist()
+    pb = page_bytes(dense.config)
+    e = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, host_cache_bytes=64 * pb, kv_dtype=kv_dtype))
+    fresh = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, enable_prefix_caching=False))
+    first_logits(e, a)
+    first_logits(e, b)  # takes 7 of 8 pages: a's pages 1..3 are evicted to the host tier
+    assert e.store is not None and e.store.host.counters.stored >= 3
+    ours, cached, computed = first_logits(e, a)
+    ref, _, _ = first_logits(fresh, a)
+    assert cached == 64 and computed == 6
+    assert e.store.host.counters.hits == 3  # page 0 was still in device memory
+    err = float((ours - ref).abs().max() / ref.abs().max())
+    assert err < (1e-5 if kv_dtype == "auto" else 0.05), err
+    assert e.pool.num_free == e.pool.num_pages
+
+
+TEXT = (
+    "The history of the printing press begins in the middle of the fifteenth century, when Johannes "
+    "Gutenberg, a goldsmith from Mainz, combined several existing technologies into a single practical "
+    "system. Movable type made of a durable metal alloy, an oil-based ink that adhered to metal, and a "
+    "screw press adapted from those used to make wine allowed pages to be printed quickly and in large "
+    "numbers. Before this, books in Europe were copied by hand, usually by monks working in monasteries, "
+    "and a single copy of a long work could take months or even years to finish. The new method spread "
+    "rapidly: within fifty years, printing shops had opened in more than two hundred cities across the "
+    "continent, and millions of books had been produced. Prices fell, literacy rose, and ideas travelled "
+    "faster than ever before. Scholars could compare identical copies of a text, which encouraged careful "
+    "editing and the standardisation of spelling and grammar. Religious reformers used pamphlets to reach "
+    "ordinary people, scientists shared their observations with colleagues in distant countries, and "
+    "merchants printed price lists and maps. Many historians argue that the press was one of the most "
+    "important inventions of the second millennium, because it changed not only how information was "
+    "stored but also who could take part in public debate. Newspapers appeared in the seventeenth century, "
+    "and by the nineteenth century steam-powered presses could print thousands of sheets every hour."
+)
+
+
+@pytest.mark.slow
+def test_int8_kv_agrees_with_model_dtype_on_demo_model(demo_float32: Any, record_property: Any) -> None:
+    """Teacher-forced over 256 tokens, 32 at a time; after each chunk the pages it filled are
+    replaced by their int8 round trip, so every later token attends to int8 KV of the past
+    (as when a prefix is restored from an int8 tier). The reference is one full prefill."""
+    lm = demo_float32
+    ids = lm.tokenizer.encode(TEXT)[:256]
+    assert len(ids) == 256
+    c = lm.config
+    spec = KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, 16, "float32")
+    codec = PageCodec(spec, "int8", Namespace(c.architecture, "", "float32", "int8", 16).key)
+
+    def run(chunk: int) -> torch.Tensor:
+        runner = ModelRunner(lm.model, KVCache(spec, 17), TorchPagedBackend(c.num_heads, c.num_kv_heads, c.head_dim))
+        pages = list(range(16))
+        outs = []
+        for start in range(0, 256, chunk):
+            outs.append(runner.run([Chunk(ids[start : start + chunk], pages, start + chunk)], all_logits=True))
+            if chunk < 256:
+                done = pages[start // 16 : (start + chunk) // 16]
+                runner.kv_cache.write_pages(done, codec.to_tensor(codec.payloads(runner.kv_cache.read_pages(done))))
+        return torch.cat(outs)  # [256, V]
+
+    ref, q = run(256), run(32)
+    agreement = float((ref.argmax(-1) == q.argmax(-1)).float().mean())
+    max_diff = float((ref - q).abs().max())
+    record_property("int8_top1_agreement", agreement)
+    record_property("int8_max_logit_diff", max_diff)
+    print(f"int8 KV: top-1 agreement {agreement:.4f}, largest logit difference {max_diff:.4f}")
+    assert agreement >= 0.95
