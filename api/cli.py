@@ -31,6 +31,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_paged", "flashinfer"])
     p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0 = torch's default, or cores/N)")
+    p.add_argument("--host-cache-bytes", type=_parse_bytes, default=0, help="host KV tier budget (0 = none)")
+    p.add_argument("--kv-redis-url", default=None, help="Redis KV tier, e.g. redis://127.0.0.1:6379/1")
+    p.add_argument("--kv-redis-ttl", type=int, default=86_400, help="seconds a KV page lives in Redis")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"], help="storage dtype of the KV tiers")
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over (spawned unless torchrun)"
     )
@@ -66,6 +70,10 @@ def _generate(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
+        host_cache_bytes=args.host_cache_bytes,
+        kv_redis_url=args.kv_redis_url,
+        kv_redis_ttl=args.kv_redis_ttl,
+        kv_dtype=args.kv_dtype,
     )
     loaded = load(args.model, args.dtype, args.device, parallel=parallel)
     if not parallel.is_driver:  # ranks 1..N-1 replay rank 0's steps until it stops them
@@ -78,7 +86,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tok.encode(args.prompt)
-    engine = Engine(loaded.model, tok, config, parallel=parallel)
+    engine = Engine(loaded.model, tok, config, parallel=parallel, fingerprint=loaded.stats.fingerprint)
     if watchdog is not None:
         from engine.distributed_runner import DistributedRunner
         from engine.launch import finish_parallel
