@@ -139,7 +139,7 @@ def _header_bytes(path: Path) -> int:
 
 STREAM_SCRIPT = textwrap.dedent(
     """
-    import json, resource, sys
+    import json, sys
     from pathlib import Path
     import psutil, torch
     from engine.config import ModelConfig
@@ -149,7 +149,8 @@ STREAM_SCRIPT = textwrap.dedent(
     source = SafetensorsSource(path)
     base = psutil.Process().memory_info().rss
     model, stats = load_model(config, source, torch.float32, progress=False)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, not ru_maxrss: the latter carries over the parent's peak across fork and exec
+    peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
     print(json.dumps({"base": base, "peak": peak, "bytes": stats.bytes_read}))
     """
 )
