@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from api import cli_tools
+
 
 def _parse_bytes(text: str) -> int:
     units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30}
@@ -82,7 +84,13 @@ def _generate(args: argparse.Namespace) -> int:
         serve_worker(loaded.model, parallel, watchdog)
         return 0
     tok = loaded.tokenizer
-    if args.chat:
+    structured = None
+    if args.tools is not None or args.json_schema is not None:
+        from api.cli_tools import StructuredRun
+
+        structured = StructuredRun.from_args(args, tok, loaded.config.vocab_size)
+        prompt_ids = structured.prompt_ids
+    elif args.chat:
         prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tok.encode(args.prompt)
@@ -94,13 +102,16 @@ def _generate(args: argparse.Namespace) -> int:
         runner = engine.runner = DistributedRunner(engine.runner, parallel, watchdog)
     log = logging.getLogger("longctx.generate")
     t0 = time.perf_counter()
-    handle = engine.add_request(prompt_ids, params)
+    handle = engine.add_request(prompt_ids, params, matcher=structured.matcher if structured else None)
     n = 0
     with engine:
         for out in handle:
             n += len(out.token_ids)
-            if out.text_delta:
-                sys.stdout.write(out.text_delta)
+            text = out.text_delta
+            if structured is not None:
+                text = structured.feed(text, last=out.finish_reason is not None)
+            if text:
+                sys.stdout.write(text)
                 sys.stdout.flush()
             if out.error:
                 log.error("%s", out.error)
@@ -143,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", nargs="+", default=None, help="stop strings (never printed)")
+    cli_tools.add_arguments(gen)
     gen.set_defaults(func=_generate)
 
     models = sub.add_parser("models", help="manage models under $LONGCTX_HOME/models")

@@ -81,3 +81,48 @@ def test_stop_string_across_tokens_and_utf8(demo_float32: Any) -> None:
     _, text2, reason = handles[0].result()
     assert reason == FinishReason.STOP
     assert text2 == text[: text.index(stop)] and stop not in text2
+
+
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+
+
+@pytest.mark.slow
+def test_generate_with_tools_and_json_schema(tmp_path: Path, demo_gguf: Path) -> None:
+    import json
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(WEATHER))
+    out = _longctx("--model", "smollm2-135m-instruct", "--chat", "--prompt", "What's the weather in Paris?",
+                   "--tools", str(tools), "--tool-choice", "required", "--tool-call-format", "hermes",
+                   "--no-parallel-tool-calls", "--max-tokens", "128")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    call = json.loads(out.stdout.strip().splitlines()[-1])
+    assert call["name"] == "get_weather" and "error" not in call
+    assert isinstance(json.loads(call["arguments"])["city"], str)
+
+    schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"],
+              "additionalProperties": False}  # fmt: skip
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    out = _longctx("--model", "smollm2-135m-instruct", "--prompt", "The capital of France, as JSON:",
+                   "--json-schema", str(tmp_path / "schema.json"), "--max-tokens", "48")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert set(json.loads(out.stdout)) == {"capital"}
+
+    bad = [{"type": "function", "function": {"name": "oops", "parameters": {"type": "nonsense"}}}]
+    tools.write_text(json.dumps(bad))
+    out = _longctx("--model", "smollm2-135m-instruct", "--chat", "--prompt", "hi", "--tools", str(tools))
+    assert out.returncode == 2 and "oops" in out.stderr and "Traceback" not in out.stderr
