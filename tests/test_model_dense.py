@@ -19,9 +19,16 @@ from transformers import (
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.generate import greedy_generate
 from kvstore.block_pool import BlockPool
-from tests.tiny_models import build_tiny, make_runner, reference_logits, rel_error, run_chunked, run_mixed_step
+from tests.tiny_models import (
+    build_tiny,
+    check_greedy_matches,
+    check_mixed_step,
+    make_runner,
+    reference_logits,
+    rel_error,
+    run_chunked,
+)
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 CASES: dict[str, tuple[type, type, dict[str, Any]]] = {
@@ -90,30 +97,11 @@ def test_logits_match_transformers(tiny: Any) -> None:
 
 
 def test_mixed_prefill_and_decode_step(tiny: Any) -> None:
-    runner = make_runner(tiny.config, tiny.model)
-    pool = BlockPool(runner.kv_cache.num_pages)
-    prompts = _prompts(tiny.config.vocab_size)
-    prompts = [prompts[2], prompts[0], prompts[1]]  # the long one prefills while two decode
-    split = 20
-    outs = run_mixed_step(runner, pool, prompts, split)
-    ref0 = reference_logits(tiny.ref, prompts[0])[split:]
-    assert rel_error(outs[0], ref0) < THRESHOLD
-    for p, out in zip(prompts[1:], outs[1:], strict=True):
-        assert rel_error(out, reference_logits(tiny.ref, p)[-1:]) < THRESHOLD
+    check_mixed_step(tiny, _prompts(tiny.config.vocab_size), THRESHOLD)
 
 
 def test_greedy_tokens_match_transformers(tiny: Any) -> None:
-    runner = make_runner(tiny.config, tiny.model)
-    pool = BlockPool(runner.kv_cache.num_pages)
-    prompts = _prompts(tiny.config.vocab_size)
-    ours = greedy_generate(runner, pool, prompts, max_tokens=32)
-    tiny.ref.generation_config.eos_token_id = None
-    tiny.ref.generation_config.pad_token_id = 0
-    for ids, out in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            ref = tiny.ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32)
-        assert out == ref[0, len(ids) :].tolist()
-    assert pool.num_free == pool.num_pages
+    check_greedy_matches(tiny, _prompts(tiny.config.vocab_size))
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path: Path) -> None:

@@ -23,7 +23,6 @@ from transformers import (
 )
 
 from engine.config import ModelConfig
-from engine.generate import greedy_generate
 from engine.model_runner import Chunk
 from engine.moe import SparseMoE, router_loads
 from engine.safetensors_file import CheckpointError
@@ -32,11 +31,12 @@ from kvstore.block_pool import BlockPool
 from tests.tiny_models import (
     TinyModel,
     build_tiny,
+    check_greedy_matches,
+    check_mixed_step,
     make_runner,
     reference_logits,
     rel_error,
     run_chunked,
-    run_mixed_step,
 )
 
 ARCHS: dict[str, tuple[type, type, dict[str, Any]]] = {
@@ -124,29 +124,11 @@ def test_logits_match_transformers(tiny: TinyModel) -> None:
 
 
 def test_mixed_prefill_and_decode_step(tiny: TinyModel) -> None:
-    runner = make_runner(tiny.config, tiny.model, page_size=4)
-    pool = BlockPool(runner.kv_cache.num_pages)
-    prompts = _prompts(tiny.config.vocab_size)
-    prompts = [prompts[2], prompts[0], prompts[1]]  # the long one prefills a chunk while two decode
-    split = 20
-    outs = run_mixed_step(runner, pool, prompts, split)
-    assert rel_error(outs[0], reference_logits(tiny.ref, prompts[0])[split:]) < THRESHOLD
-    for p, out in zip(prompts[1:], outs[1:], strict=True):
-        assert rel_error(out, reference_logits(tiny.ref, p)[-1:]) < THRESHOLD
+    check_mixed_step(tiny, _prompts(tiny.config.vocab_size), THRESHOLD, page_size=4)
 
 
 def test_greedy_tokens_match_transformers(tiny: TinyModel) -> None:
-    runner = make_runner(tiny.config, tiny.model)
-    pool = BlockPool(runner.kv_cache.num_pages)
-    prompts = _prompts(tiny.config.vocab_size)
-    ours = greedy_generate(runner, pool, prompts, max_tokens=32)
-    tiny.ref.generation_config.eos_token_id = None
-    tiny.ref.generation_config.pad_token_id = 0
-    for ids, out in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            ref = tiny.ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32)
-        assert out == ref[0, len(ids) :].tolist()
-    assert pool.num_free == pool.num_pages
+    check_greedy_matches(tiny, _prompts(tiny.config.vocab_size))
 
 
 def test_fused_layout_loads_identically(tiny: TinyModel, tmp_path: Path) -> None:

@@ -118,3 +118,33 @@ def run_mixed_step(runner: ModelRunner, pool: BlockPool, prompts: list[list[int]
     finally:
         for t in tables:
             pool.free(t)
+
+
+def check_mixed_step(tiny: TinyModel, prompts: list[list[int]], threshold: float, page_size: int = 16) -> None:
+    """prompts[2] prefills its second chunk in the same step as prompts[0] and [1] decode; all match."""
+    runner = make_runner(tiny.config, tiny.model, page_size=page_size)
+    pool = BlockPool(runner.kv_cache.num_pages)
+    ordered = [prompts[2], prompts[0], prompts[1]]
+    split = 20
+    outs = run_mixed_step(runner, pool, ordered, split)
+    assert rel_error(outs[0], reference_logits(tiny.ref, ordered[0])[split:]) < threshold
+    for p, out in zip(ordered[1:], outs[1:], strict=True):
+        assert rel_error(out, reference_logits(tiny.ref, p)[-1:]) < threshold
+
+
+def check_greedy_matches(tiny: TinyModel, prompts: list[list[int]], max_tokens: int = 32) -> None:
+    """Our batched greedy tokens equal transformers' `generate` for each prompt alone."""
+    from engine.generate import greedy_generate
+
+    runner = make_runner(tiny.config, tiny.model)
+    pool = BlockPool(runner.kv_cache.num_pages)
+    ours = greedy_generate(runner, pool, prompts, max_tokens=max_tokens)
+    tiny.ref.generation_config.eos_token_id = None
+    tiny.ref.generation_config.pad_token_id = 0
+    for ids, out in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            ref = tiny.ref.generate(
+                torch.tensor([ids]), do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens
+            )
+        assert out == ref[0, len(ids) :].tolist()
+    assert pool.num_free == pool.num_pages
