@@ -9,13 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from engine.engine import Engine, EngineConfig
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
-from tests.tiny_models import build_tiny
+from tests.tiny_models import tiny_moe_with_demo_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,18 +38,8 @@ def test_generate_demo_chat(demo_gguf: Path) -> None:
 @pytest.mark.slow
 def test_moe_checkpoint_generates_through_cli(tmp_path: Path, demo_float32: Any) -> None:
     """A tiny random Qwen3-MoE with the demo tokenizer: the CLI prints transformers' greedy text."""
-    tiny = build_tiny(
-        Qwen3MoeConfig, Qwen3MoeForCausalLM, tmp_path, vocab_size=49152, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, decoder_sparse_step=1,
-    )  # fmt: skip
-    tok = demo_float32.tokenizer
-    tok.hf.save_pretrained(tmp_path)
     prompt = "The quick brown fox"
-    ids = tok.encode(prompt)
-    tiny.ref.generation_config.eos_token_id = None
-    with torch.no_grad():
-        ref = tiny.ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, min_new_tokens=12)
-    expected = tok.decode(ref[0, len(ids) :].tolist())
+    expected = tiny_moe_with_demo_tokenizer(tmp_path, demo_float32.tokenizer, prompt, 12)
     out = _longctx("--model", str(tmp_path), "--prompt", prompt, "--max-tokens", "12", "--dtype", "float32")
     assert out.returncode == 0, out.stderr
     assert out.stdout == expected + "\n"

@@ -23,6 +23,7 @@ from kvstore.block_pool import BlockPool
 from tests.tiny_models import (
     build_tiny,
     check_greedy_matches,
+    check_logits_all_chunkings,
     check_mixed_step,
     make_runner,
     reference_logits,
@@ -86,14 +87,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def test_logits_match_transformers(tiny: Any) -> None:
-    runner = make_runner(tiny.config, tiny.model)
-    pool = BlockPool(runner.kv_cache.num_pages)
-    for ids in _prompts(tiny.config.vocab_size):
-        ref = reference_logits(tiny.ref, ids)
-        for chunk in (len(ids), 5, 1):
-            err = rel_error(run_chunked(runner, pool, ids, chunk), ref)
-            assert err < THRESHOLD, f"chunk={chunk} len={len(ids)}: error {err:.2e}"
-    assert pool.num_free == pool.num_pages
+    check_logits_all_chunkings(tiny, _prompts(tiny.config.vocab_size), THRESHOLD)
 
 
 def test_mixed_prefill_and_decode_step(tiny: Any) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,10 @@ from tests.tiny_models import (
     TinyModel,
     build_tiny,
     check_greedy_matches,
+    check_logits_all_chunkings,
     check_mixed_step,
     make_runner,
+    one_thread,
     reference_logits,
     rel_error,
     run_chunked,
@@ -65,13 +66,7 @@ PROMPT_LENGTHS = (7, 23, 45)
 THRESHOLD = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread, and far faster than with many on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 def fuse_checkpoint(src: Path, dst: Path) -> None:
@@ -113,14 +108,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def test_logits_match_transformers(tiny: TinyModel) -> None:
-    runner = make_runner(tiny.config, tiny.model, page_size=4)
-    pool = BlockPool(runner.kv_cache.num_pages)
-    for ids in _prompts(tiny.config.vocab_size):
-        ref = reference_logits(tiny.ref, ids)
-        for chunk in (len(ids), 5, 1):
-            err = rel_error(run_chunked(runner, pool, ids, chunk), ref)
-            assert err < THRESHOLD, f"chunk={chunk} len={len(ids)}: error {err:.2e}"
-    assert pool.num_free == pool.num_pages
+    check_logits_all_chunkings(tiny, _prompts(tiny.config.vocab_size), THRESHOLD, page_size=4)
 
 
 def test_mixed_prefill_and_decode_step(tiny: TinyModel) -> None:

@@ -37,7 +37,7 @@ from engine.safetensors_file import read_header, read_tensor, read_tensor_part
 from engine.tp import SourceSlice, split_heads
 from kvstore.block_pool import BlockPool
 from tests import parallel_ranks as ranks
-from tests.tiny_models import TinyModel, build_tiny, rel_error, run_mixed_step
+from tests.tiny_models import TinyModel, build_tiny, rel_error, run_mixed_step, tiny_moe_with_demo_tokenizer
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,20 +198,8 @@ def test_read_tensor_part_reads_only_the_part(tmp_path: Path) -> None:
 def test_cli_spawns_ranks_with_expert_parallelism(tmp_path: Path, demo_float32: Any) -> None:
     """`longctx generate --tensor-parallel-size 2 --expert-parallel` spawns rank 1 itself and prints
     transformers' greedy text for a tiny Qwen3-MoE with the demo tokenizer."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    tiny = build_tiny(
-        Qwen3MoeConfig, Qwen3MoeForCausalLM, tmp_path, vocab_size=49152, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, decoder_sparse_step=1,
-    )  # fmt: skip
-    tok = demo_float32.tokenizer
-    tok.hf.save_pretrained(tmp_path)
     prompt = "The quick brown fox"
-    ids = tok.encode(prompt)
-    tiny.ref.generation_config.eos_token_id = None
-    with torch.no_grad():
-        ref = tiny.ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, min_new_tokens=12)
-    expected = tok.decode(ref[0, len(ids) :].tolist())
+    expected = tiny_moe_with_demo_tokenizer(tmp_path, demo_float32.tokenizer, prompt, 12)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     cmd = [sys.executable, "-m", "api.cli", "generate", "--model", str(tmp_path), "--prompt", prompt]
     cmd += ["--max-tokens", "12", "--dtype", "float32", "--tensor-parallel-size", "2", "--expert-parallel"]

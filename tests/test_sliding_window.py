@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,6 +27,7 @@ from tests.tiny_models import (
     TinyModel,
     build_tiny,
     make_runner,
+    one_thread,
     reference_logits,
     rel_error,
     run_chunked,
@@ -59,13 +59,7 @@ PROMPT_LENGTHS = (7, 23, 45)
 THRESHOLD = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread, and far faster than with many on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -7,6 +7,7 @@ through our paged runner against transformers' full-sequence forward without cac
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,3 +149,45 @@ def check_greedy_matches(tiny: TinyModel, prompts: list[list[int]], max_tokens: 
             )
         assert out == ref[0, len(ids) :].tolist()
     assert pool.num_free == pool.num_pages
+
+
+def check_logits_all_chunkings(
+    tiny: TinyModel, prompts: list[list[int]], threshold: float, page_size: int = 16
+) -> None:
+    """Each prompt whole, in chunks of 5, and one token per step: logits match transformers'."""
+    runner = make_runner(tiny.config, tiny.model, page_size=page_size)
+    pool = BlockPool(runner.kv_cache.num_pages)
+    for ids in prompts:
+        ref = reference_logits(tiny.ref, ids)
+        for chunk in (len(ids), 5, 1):
+            err = rel_error(run_chunked(runner, pool, ids, chunk), ref)
+            assert err < threshold, f"chunk={chunk} len={len(ids)}: error {err:.2e}"
+    assert pool.num_free == pool.num_pages
+
+
+def one_thread() -> Iterator[None]:
+    """For a module-scoped autouse fixture: tiny models run fastest on one thread, and far faster
+    than with many on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_moe_with_demo_tokenizer(tmp: Path, tokenizer: Any, prompt: str, max_tokens: int) -> str:
+    """A tiny random Qwen3-MoE saved with the demo tokenizer into `tmp`; returns transformers'
+    greedy continuation of `prompt` (the text a CLI run on `tmp` must print)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tiny = build_tiny(
+        Qwen3MoeConfig, Qwen3MoeForCausalLM, tmp, vocab_size=49152, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, decoder_sparse_step=1,
+    )  # fmt: skip
+    tokenizer.hf.save_pretrained(tmp)
+    ids = tokenizer.encode(prompt)
+    tiny.ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = tiny.ref.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens
+        )
+    return str(tokenizer.decode(ref[0, len(ids) :].tolist()))
