@@ -44,14 +44,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from engine.distributed.parallel import SINGLE
     from engine.engine import Engine, EngineConfig
-    from engine.loader import load
-    from engine.parallel import SINGLE
+    from engine.loading.loader import load
     from engine.sampling_params import SamplingParams
 
     parallel, watchdog = SINGLE, None
     if args.tensor_parallel_size > 1:
-        from engine.launch import init_parallel
+        from engine.distributed.launch import init_parallel
 
         parallel, watchdog = init_parallel(args.tensor_parallel_size, args.expert_parallel, args.device)
     elif args.expert_parallel:
@@ -94,12 +94,14 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tok.encode(args.prompt)
-    engine = Engine(loaded.model, tok, config, parallel=parallel, fingerprint=loaded.stats.fingerprint)
+    runner = None
     if watchdog is not None:
         from engine.distributed_runner import DistributedRunner
-        from engine.launch import finish_parallel
+        from engine.model_runner import ModelRunner
 
-        runner = engine.runner = DistributedRunner(engine.runner, parallel, watchdog)
+        local = ModelRunner.for_model(loaded.model, args.page_size, args.kv_cache_bytes, args.attention_backend)
+        runner = DistributedRunner(local, parallel, watchdog)
+    engine = Engine(loaded.model, tok, config, parallel=parallel, fingerprint=loaded.stats.fingerprint, runner=runner)
     log = logging.getLogger("longctx.generate")
     t0 = time.perf_counter()
     handle = engine.add_request(prompt_ids, params, matcher=structured.matcher if structured else None)
@@ -117,7 +119,9 @@ def _generate(args: argparse.Namespace) -> int:
                 log.error("%s", out.error)
     sys.stdout.write("\n")
     sys.stdout.flush()
-    if watchdog is not None:
+    if runner is not None and watchdog is not None:
+        from engine.distributed.launch import finish_parallel
+
         runner.shutdown()
         finish_parallel(watchdog)
     dt = time.perf_counter() - t0
@@ -126,7 +130,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from engine.model_source import models_dir, pull_demo
+    from engine.loading.model_source import models_dir, pull_demo
 
     if args.action == "pull":
         path = pull_demo(force=args.force)
@@ -171,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from engine.config import UnsupportedModel
-    from engine.model_source import ModelNotFound
-    from engine.safetensors_file import CheckpointError
+    from engine.loading.model_source import ModelNotFound
+    from engine.loading.safetensors_file import CheckpointError
+    from engine.model.config import UnsupportedModel
 
     try:
         return int(args.func(args))

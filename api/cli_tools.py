@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.grammar import Matcher
-from engine.tokenizer import Tokenizer
+from engine.loading.tokenizer import Tokenizer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -62,7 +62,7 @@ def run_ours(dtype: str, quick: bool) -> dict[str, Any]:
     import torch
 
     from engine.engine import Engine, EngineConfig
-    from engine.loader import load
+    from engine.loading.loader import load
     from engine.sampling_params import SamplingParams
 
     torch.set_num_threads(2)
@@ -118,7 +118,7 @@ def run_transformers(dtype: str, quick: bool) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.model_source import pull_demo
+    from engine.loading.model_source import pull_demo
 
     torch.set_num_threads(2)
     path = pull_demo()
@@ -158,7 +158,7 @@ def run_transformers(dtype: str, quick: bool) -> dict[str, Any]:
 def run_llama_cpp(dtype: str, quick: bool) -> dict[str, Any]:
     from llama_cpp import Llama
 
-    from engine.model_source import pull_demo
+    from engine.loading.model_source import pull_demo
 
     llm = Llama(model_path=str(pull_demo()), n_ctx=4096, n_threads=2, n_batch=512, verbose=False)
     out: dict[str, Any] = {}

@@ -47,12 +47,12 @@ def run_rank(model_dir: Path, world_size: int, expert_parallel: bool, batch: int
     import torch
 
     from engine.attention.torch_paged import TorchPagedBackend
-    from engine.config import ModelConfig
+    from engine.distributed.launch import finish_parallel, init_parallel
+    from engine.distributed.parallel import SINGLE
     from engine.distributed_runner import DistributedRunner, serve_worker
-    from engine.launch import finish_parallel, init_parallel
+    from engine.loading.weights import SafetensorsSource, load_model
+    from engine.model.config import ModelConfig
     from engine.model_runner import Chunk, ModelRunner
-    from engine.parallel import SINGLE
-    from engine.weights import SafetensorsSource, load_model
     from kvstore.block_pool import BlockPool
     from kvstore.kv_cache import KVCache
     from kvstore.spec import KVSpec

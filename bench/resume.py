@@ -45,9 +45,9 @@ def _ttft(engine: Any, prompt: list[int]) -> tuple[float, int, int]:
 
 
 def load_any(model: str) -> Any:
-    """The demo model through `engine.loader.load`; a random checkpoint directory (no
-    tokenizer) through `engine.weights.load_model`, in bfloat16."""
-    from engine.loader import load
+    """The demo model through `engine.loading.loader.load`; a random checkpoint directory (no
+    tokenizer) through `engine.loading.weights.load_model`, in bfloat16."""
+    from engine.loading.loader import load
 
     if not Path(model).is_dir():
         return load(model, progress=False)
@@ -55,8 +55,8 @@ def load_any(model: str) -> Any:
 
     import torch
 
-    from engine.config import ModelConfig
-    from engine.weights import SafetensorsSource, load_model
+    from engine.loading.weights import SafetensorsSource, load_model
+    from engine.model.config import ModelConfig
 
     config = ModelConfig.from_pretrained_dir(Path(model))
     net, stats = load_model(config, SafetensorsSource(Path(model)), torch.bfloat16, progress=False)
@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", default="auto,int8")
     ap.add_argument("--out", default=str(RESULTS / "resume.json"))
     args = ap.parse_args()
-    from engine.model_source import pull_demo
+    from engine.loading.model_source import pull_demo
     from tests.redis_server import private_redis
 
     kv_dtypes = args.kv_dtypes.split(",")

@@ -1,7 +1,7 @@
 """Structured output on the demo model: coverage of 60 real-world JSON schemas, and what the
 grammar costs in decode throughput.
 
-Coverage (JSONSchemaBench sample in ../shared/data/jsonschemabench): compiled (xgrammar, strict),
+Coverage (JSONSchemaBench sample in tests/data/jsonschemabench): compiled (xgrammar, strict),
 generated (greedy, 512 tokens, all schemas in one batch, finished before the limit), valid
 (`jsonschema`, draft 2020-12, formats on). Throughput: decode tokens/s with and without a
 JSON-schema constraint at 1 and 16 concurrent streams (prefill excluded), and the batch mask-fill
@@ -25,12 +25,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
-BENCH = ROOT.parent / "shared" / "data" / "jsonschemabench"
+BENCH = ROOT / "tests" / "data" / "jsonschemabench"
 
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.grammar import GrammarHook, Matcher  # noqa: E402
-from engine.loader import LoadedModel, load  # noqa: E402
-from engine.model_source import pull_demo  # noqa: E402
+from engine.loading.loader import LoadedModel, load  # noqa: E402
+from engine.loading.model_source import pull_demo  # noqa: E402
 from engine.request import FinishReason  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from tools.grammar import GrammarCompiler, XGrammarHook  # noqa: E402

@@ -10,7 +10,7 @@ and TGI); StopChecker cuts that stream at the first stop string.
 
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from engine.loading.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what decode shows for bytes that are not (yet) a whole character
 # A character is at most 4 bytes and every id adds at least one, so real text ends on a whole

@@ -13,10 +13,10 @@ import logging
 import torch
 
 from engine.attention.registry import make_backend
-from engine.launch import Watchdog
-from engine.model import CausalLM
+from engine.distributed.launch import Watchdog
+from engine.distributed.parallel import ParallelContext
+from engine.model.model import CausalLM
 from engine.model_runner import Chunk, ModelRunner
-from engine.parallel import ParallelContext
 from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
 

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.registry import make_backend
-from engine.config import ModelConfig
+from engine.distributed.parallel import SINGLE, ParallelContext
 from engine.grammar import GrammarHook, Matcher, new_bitmask
 from engine.kv_connector import KVConnector, NoConnector
-from engine.model import CausalLM
+from engine.kv_tiers import build_tiers, kv_namespace, kv_stats
+from engine.loading.tokenizer import Tokenizer
+from engine.model.config import ModelConfig
+from engine.model.model import CausalLM
 from engine.model_runner import Chunk, ModelRunner
-from engine.parallel import SINGLE, ParallelContext
 from engine.request import (
     ContextTooLong,
     FinishReason,
@@ -35,13 +36,7 @@ from engine.request import (
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
-from engine.tokenizer import Tokenizer
 from kvstore.block_pool import BlockPool
-from kvstore.codec import PageCodec
-from kvstore.kv_cache import KVCache
-from kvstore.prefix import Namespace
-from kvstore.redis_tier import RedisTier
-from kvstore.spec import KVSpec
 from kvstore.tiers import TieredStore
 
 log = logging.getLogger("longctx.engine")
@@ -97,10 +92,13 @@ class Engine:
         connector: KVConnector | None = None,
         grammar_hook: GrammarHook | None = None,
         fingerprint: str = "",
+        runner: ModelRunner | None = None,
     ):
         """Args:
         fingerprint: digest of the weights (`LoadStats.fingerprint`); part of the KV namespace,
             required by the Redis tier (pages are shared only between identical weights).
+        runner: runs the forward passes over its own KV cache (e.g. a `DistributedRunner` that
+            broadcasts each step to the other ranks); by default a `ModelRunner` sized by `config`.
         """
         self.model = model
         self.model_config: ModelConfig = model.config
@@ -112,31 +110,23 @@ class Engine:
         self.grammar_hook = grammar_hook or GrammarHook()
         if config.threads:
             torch.set_num_threads(config.threads)
-        mc = self.model_config
-        device = model.model.embed_tokens.weight.device
-        dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
-        self.kv_spec = KVSpec(mc.num_layers, model.local_kv_heads, mc.head_dim, config.page_size, dtype)  # this rank's
-        self.kv_cache = KVCache.from_budget(self.kv_spec, config.kv_cache_bytes, device)
-        kv_dtype = dtype if config.kv_dtype == "auto" else config.kv_dtype
-        self.namespace = Namespace(
-            mc.architecture, fingerprint, dtype, kv_dtype, config.page_size, parallel.world_size, parallel.rank
-        )
+        if runner is None:
+            runner = ModelRunner.for_model(model, config.page_size, config.kv_cache_bytes, config.attention_backend)
+        self.runner = runner
+        self.kv_cache = runner.kv_cache
+        self.kv_spec = runner.kv_cache.spec  # this rank's heads
+        self.namespace = kv_namespace(model, self.kv_spec, config.kv_dtype, fingerprint, parallel)
         self.store: TieredStore | None = None
         if connector is None and (config.host_cache_bytes or config.kv_redis_url):
-            if config.kv_redis_url and not fingerprint:
-                raise ValueError("the Redis KV tier needs the model's fingerprint (LoadStats.fingerprint)")
-            codec = PageCodec(self.kv_spec, kv_dtype, self.namespace.key)
-            redis = None
-            if config.kv_redis_url:
-                redis = RedisTier(config.kv_redis_url, codec, config.kv_redis_ttl, config.kv_redis_prefix)
-            connector = self.store = TieredStore(self.kv_cache, codec, config.host_cache_bytes, redis)
+            connector = self.store = build_tiers(
+                self.kv_cache, self.namespace, config.host_cache_bytes, config.kv_redis_url, config.kv_redis_ttl,
+                config.kv_redis_prefix,
+            )  # fmt: skip
         self.connector: KVConnector = connector or NoConnector()
         self.pool = BlockPool(self.kv_cache.num_pages, on_evict=self.connector.evict)
-        backend = make_backend(config.attention_backend, device, model.local_heads, model.local_kv_heads, mc.head_dim)
-        self.runner = ModelRunner(model, self.kv_cache, backend)
         self.scheduler = Scheduler(
             self.pool,
-            config.page_size,
+            self.kv_spec.page_size,
             config.max_num_batched_tokens,
             config.max_num_seqs,
             namespace=self.namespace if config.enable_prefix_caching else None,
@@ -144,8 +134,8 @@ class Engine:
             lookup_timeout_s=config.kv_lookup_timeout_s,
         )
         self.sampler = Sampler()
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else mc.eos_token_ids)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else self.model_config.eos_token_ids)
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -155,13 +145,13 @@ class Engine:
         self._ids = itertools.count()
         log.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %s); backend %s",
-            self.kv_cache.num_pages, config.page_size, self.capacity_tokens, self.kv_cache.num_bytes / 1e6,
-            dtype, backend.name,
+            self.kv_cache.num_pages, self.kv_spec.page_size, self.capacity_tokens, self.kv_cache.num_bytes / 1e6,
+            self.kv_spec.dtype, runner.backend.name,
         )  # fmt: skip
 
     @property
     def capacity_tokens(self) -> int:
-        return self.kv_cache.num_pages * self.config.page_size
+        return self.kv_cache.num_pages * self.kv_spec.page_size
 
     # ---- the caller's side (any thread) ----
 
@@ -324,15 +314,7 @@ class Engine:
 
     def kv_stats(self) -> dict[str, dict[str, int]]:
         """Counters of the prefix cache and the KV tiers."""
-        from dataclasses import asdict
-
-        out = {"prefix": asdict(self.pool.counters)}
-        out["prefix"]["lookup_timeouts"] = self.scheduler.num_lookup_timeouts
-        if self.store is not None:
-            out["host"] = asdict(self.store.host.counters)
-            if self.store.redis is not None:
-                out["redis"] = asdict(self.store.redis.counters)
-        return out
+        return kv_stats(self.pool, self.scheduler, self.store)
 
     def run_forever(self) -> None:
         """The engine thread's loop: step while there is work, sleep until woken otherwise."""

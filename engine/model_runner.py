@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.model import CausalLM
+from engine.attention.registry import make_backend
+from engine.model.model import CausalLM
 from kvstore.kv_cache import KVCache
+from kvstore.spec import KVSpec
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,17 @@ class ModelRunner:
         self.num_tokens_computed = 0
         self.num_mixed_steps = 0  # steps whose batch held prefill chunks and decode tokens together
         self.last_plan: tuple[int, int] = (0, 0)  # (prefill chunks, decode tokens) of the last pass
+
+    @classmethod
+    def for_model(cls, model: CausalLM, page_size: int, kv_cache_bytes: int, attention_backend: str) -> ModelRunner:
+        """A runner with a KV cache of `kv_cache_bytes` (this rank's heads, the model's dtype)."""
+        mc = model.config
+        device = model.model.embed_tokens.weight.device
+        dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
+        spec = KVSpec(mc.num_layers, model.local_kv_heads, mc.head_dim, page_size, dtype)
+        kv_cache = KVCache.from_budget(spec, kv_cache_bytes, device)
+        backend = make_backend(attention_backend, device, model.local_heads, model.local_kv_heads, mc.head_dim)
+        return cls(model, kv_cache, backend)
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.loader import LoadedModel, load
-from engine.model_source import pull_demo
+from engine.loading.loader import LoadedModel, load
+from engine.loading.model_source import pull_demo
 
 
 @pytest.fixture(scope="session")

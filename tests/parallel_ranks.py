@@ -18,15 +18,15 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
+from engine.distributed.launch import finish_parallel, init_parallel
+from engine.distributed.parallel import ParallelContext
 from engine.distributed_runner import DistributedRunner, serve_worker
 from engine.engine import Engine, EngineConfig
-from engine.launch import finish_parallel, init_parallel
-from engine.model import CausalLM
+from engine.loading.weights import SafetensorsSource, load_model
+from engine.model.config import ModelConfig
+from engine.model.model import CausalLM
 from engine.model_runner import ModelRunner
-from engine.parallel import ParallelContext
 from engine.sampling_params import SamplingParams
-from engine.weights import SafetensorsSource, load_model
 from kvstore.block_pool import BlockPool
 from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
@@ -57,6 +57,12 @@ def engine_config() -> EngineConfig:
     return EngineConfig(kv_cache_bytes=4 << 20, page_size=PAGE_SIZE, enable_prefix_caching=False)
 
 
+def local_runner(model: CausalLM) -> ModelRunner:
+    """This rank's runner, sized as `engine_config()` says."""
+    c = engine_config()
+    return ModelRunner.for_model(model, c.page_size, c.kv_cache_bytes, c.attention_backend)
+
+
 def greedy_with_engine(engine: Engine, vocab: int) -> list[list[int]]:
     params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
     handles = [engine.add_request(p, params) for p in prompts(vocab)]
@@ -84,9 +90,8 @@ def run_mode(ctx: ParallelContext, model_dir: Path) -> dict[str, object]:
     result: dict[str, object] = {"mixed": mixed, "bytes_read": stats.bytes_read, "comm": comm}
     result["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     if ctx.is_driver:
-        engine = Engine(model, None, engine_config(), parallel=ctx)
-        dist_runner = DistributedRunner(engine.runner, ctx)
-        engine.runner = dist_runner
+        dist_runner = DistributedRunner(local_runner(model), ctx)
+        engine = Engine(model, None, engine_config(), parallel=ctx, runner=dist_runner)
         result["greedy"] = greedy_with_engine(engine, config.vocab_size)
         dist_runner.shutdown()
     else:
@@ -101,8 +106,9 @@ def run_serve(model_dir: Path) -> None:
     if not ctx.is_driver:
         serve_worker(model, ctx, watchdog)
         return
-    engine = Engine(model, None, engine_config(), parallel=ctx)
-    engine.runner = DistributedRunner(engine.runner, ctx, watchdog)
+    engine = Engine(
+        model, None, engine_config(), parallel=ctx, runner=DistributedRunner(local_runner(model), ctx, watchdog)
+    )
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     announced = False
     while True:  # until rank 1 dies

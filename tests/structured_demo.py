@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from engine.engine import Engine, EngineConfig
-from engine.loader import LoadedModel, load
-from engine.model_source import ModelPath
-from engine.tokenizer import Tokenizer
+from engine.loading.loader import LoadedModel, load
+from engine.loading.model_source import ModelPath
+from engine.loading.tokenizer import Tokenizer
 from tools.grammar import GrammarCompiler, XGrammarHook
 
 DEMO_VOCAB = 49152  # SmolLM2's vocab size = its logits width

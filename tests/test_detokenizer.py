@@ -20,8 +20,8 @@ from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from engine.detokenizer import IncrementalDetokenizer, StopChecker
-from engine.model_source import DEMO_MODEL, resolve_model
-from engine.tokenizer import Tokenizer
+from engine.loading.model_source import DEMO_MODEL, resolve_model
+from engine.loading.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",

@@ -24,16 +24,16 @@ from transformers import (
 )
 
 from engine.attention.torch_paged import TorchPagedBackend
-from engine.config import ModelConfig, UnsupportedModel
-from engine.generate import greedy_generate
-from engine.gguf_file import GGUFSource
-from engine.loader import LoadedModel
+from engine.loading.gguf_file import GGUFSource
+from engine.loading.loader import LoadedModel
+from engine.loading.safetensors_file import CheckpointError
+from engine.loading.weights import load_model
+from engine.model.config import ModelConfig, UnsupportedModel
 from engine.model_runner import Chunk, ModelRunner
-from engine.safetensors_file import CheckpointError
-from engine.weights import load_model
 from kvstore.block_pool import BlockPool
 from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
+from tests.tiny_models import engine_greedy
 
 TINY = dict(
     hidden_size=64,
@@ -276,8 +276,8 @@ def test_demo_greedy_matches_transformers(demo_float32: LoadedModel, demo_hf: An
     (Our tokenizer is transformers' GGUF tokenizer, so both sides get the same prompt ids.)"""
     lm = demo_float32
     prompts = [lm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    ours = engine_greedy(lm.model, prompts, 48, tokenizer=lm.tokenizer)
     runner, pool = runner_for(lm.model, lm.config)
-    ours = greedy_generate(runner, pool, prompts, 48, lm.tokenizer.eos_token_ids)
 
     for ids, got in zip(prompts, ours, strict=True):
         with torch.no_grad():

@@ -108,7 +108,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dtype_conversion(tmp_path: Path, dtype: torch.dtype) -> None:
-    from engine.weights import SafetensorsSource, load_model
+    from engine.loading.weights import SafetensorsSource, load_model
 
     t = build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path)
     model, _ = load_model(t.config, SafetensorsSource(t.path), dtype, progress=False)

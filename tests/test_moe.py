@@ -21,11 +21,11 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from engine.config import ModelConfig
+from engine.loading.safetensors_file import CheckpointError
+from engine.loading.weights import SafetensorsSource, load_model
+from engine.model.config import ModelConfig
+from engine.model.moe import SparseMoE, router_loads
 from engine.model_runner import Chunk
-from engine.moe import SparseMoE, router_loads
-from engine.safetensors_file import CheckpointError
-from engine.weights import SafetensorsSource, load_model
 from kvstore.block_pool import BlockPool
 from tests.tiny_models import (
     TinyModel,

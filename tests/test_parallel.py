@@ -30,11 +30,11 @@ from transformers import (
     Qwen2MoeForCausalLM,
 )
 
+from engine.distributed.launch import free_port
+from engine.distributed.parallel import ParallelContext, split_range
 from engine.engine import Engine
-from engine.launch import free_port
-from engine.parallel import ParallelContext, split_range
-from engine.safetensors_file import read_header, read_tensor, read_tensor_part
-from engine.tp import SourceSlice, split_heads
+from engine.loading.safetensors_file import read_header, read_tensor, read_tensor_part
+from engine.model.tp import SourceSlice, split_heads
 from kvstore.block_pool import BlockPool
 from tests import parallel_ranks as ranks
 from tests.tiny_models import TinyModel, build_tiny, rel_error, run_mixed_step, tiny_moe_with_demo_tokenizer
@@ -213,7 +213,7 @@ def test_cli_spawns_ranks_with_expert_parallelism(tmp_path: Path, demo_float32: 
 def test_fused_expert_layout_shards_identically(tmp_path: Path, expert_parallel: bool) -> None:
     """transformers 5's fused expert tensors give each rank the same parameters as per-expert
     tensors (loading needs no process group), and those are the right slices of the whole."""
-    from engine.weights import SafetensorsSource, load_model
+    from engine.loading.weights import SafetensorsSource, load_model
     from tests.test_moe import fuse_checkpoint
 
     t = build_tiny(Qwen2MoeConfig, Qwen2MoeForCausalLM, tmp_path / "a", **QWEN2_MOE)

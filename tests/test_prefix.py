@@ -13,8 +13,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from engine.engine import Engine, EngineConfig
+from engine.loading.weights import SafetensorsSource, load_model
 from engine.sampling_params import SamplingParams
-from engine.weights import SafetensorsSource, load_model
 from kvstore.prefix import Namespace, hash_page, max_cached_pages, page_hashes
 from tests.tiny_models import TinyModel, build_tiny
 
@@ -51,7 +51,7 @@ def test_chain_namespace_and_salt_separate_pages() -> None:
 
 
 def fingerprint_of(path: Path) -> str:
-    from engine.config import ModelConfig
+    from engine.model.config import ModelConfig
 
     _, stats = load_model(ModelConfig.from_pretrained_dir(path), SafetensorsSource(path), torch.float32, progress=False)
     return stats.fingerprint

@@ -60,9 +60,9 @@ def _prompt(tiny: tuple[TinyModel, str], n: int, seed: int) -> list[int]:
 RESUME = """
 import json, sys, torch
 from pathlib import Path
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 from engine.engine import Engine, EngineConfig
-from engine.weights import SafetensorsSource, load_model
+from engine.loading.weights import SafetensorsSource, load_model
 from tests.test_prefix import first_logits
 path, url, prefix, kv_bytes, out = sys.argv[1:6]
 path = Path(path)

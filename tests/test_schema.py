@@ -20,7 +20,7 @@ from tools.schema import (
     validate_arguments,
 )
 
-BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
+BENCH = Path(__file__).resolve().parent / "data" / "jsonschemabench"
 UNCOMPILABLE = {"Github_hard/o19336.json": "minItems", "Snowplow/sp_18_Normalized.json": "Integer exceeds"}
 CITY = {"type": "object", "properties": {"city": {"type": "string", "minLength": 2}}, "required": ["city"]}
 

@@ -19,13 +19,13 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from engine.config import ModelConfig, UnsupportedModel
-from engine.generate import greedy_generate
-from engine.model import Attention
+from engine.model.config import ModelConfig, UnsupportedModel
+from engine.model.model import Attention
 from kvstore.block_pool import BlockPool
 from tests.tiny_models import (
     TinyModel,
     build_tiny,
+    engine_greedy,
     make_runner,
     one_thread,
     reference_logits,
@@ -122,10 +122,8 @@ def test_mixed_prefill_and_decode_step(tiny: tuple[str, TinyModel]) -> None:
 def test_greedy_tokens_match_transformers(tiny: tuple[str, TinyModel]) -> None:
     """32 tokens past prompts longer than the window (transformers' cache drops old tokens)."""
     _, t = tiny
-    runner = make_runner(t.config, t.model, page_size=4)
-    pool = BlockPool(runner.kv_cache.num_pages)
     prompts = _prompts(t.config.vocab_size)
-    ours = greedy_generate(runner, pool, prompts, max_tokens=32)
+    ours = engine_greedy(t.model, prompts, 32, page_size=4)
     t.ref.generation_config.eos_token_id = None
     t.ref.generation_config.pad_token_id = 0
     for ids, out in zip(prompts, ours, strict=True):

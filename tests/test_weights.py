@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.config import ModelConfig, UnsupportedModel
-from engine.model_source import ModelNotFound, resolve_model
-from engine.safetensors_file import CheckpointError
-from engine.weights import SafetensorsSource, load_model
+from engine.loading.model_source import ModelNotFound, resolve_model
+from engine.loading.safetensors_file import CheckpointError
+from engine.loading.weights import SafetensorsSource, load_model
+from engine.model.config import ModelConfig, UnsupportedModel
 from tests.tiny_models import build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,8 +142,8 @@ STREAM_SCRIPT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import psutil, torch
-    from engine.config import ModelConfig
-    from engine.weights import SafetensorsSource, load_model
+    from engine.model.config import ModelConfig
+    from engine.loading.weights import SafetensorsSource, load_model
     path = Path(sys.argv[1])
     config = ModelConfig.from_pretrained_dir(path)
     source = SafetensorsSource(path)

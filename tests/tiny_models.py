@@ -1,7 +1,7 @@
 """Tiny random transformers models, saved and reloaded by our loader, and ways to run them.
 
 Shared by the differential tests: each builds a reference model with transformers, saves
-it with `save_pretrained`, loads it with `engine.weights`, and compares logits computed
+it with `save_pretrained`, loads it with `engine.loading.weights`, and compares logits computed
 through our paged runner against transformers' full-sequence forward without cache.
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from engine.attention.torch_paged import TorchPagedBackend
-from engine.config import ModelConfig
-from engine.model import CausalLM
+from engine.loading.weights import SafetensorsSource, load_model
+from engine.model.config import ModelConfig
+from engine.model.model import CausalLM
 from engine.model_runner import Chunk, ModelRunner
-from engine.weights import SafetensorsSource, load_model
 from kvstore.block_pool import BlockPool
 from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
@@ -135,11 +135,7 @@ def check_mixed_step(tiny: TinyModel, prompts: list[list[int]], threshold: float
 
 def check_greedy_matches(tiny: TinyModel, prompts: list[list[int]], max_tokens: int = 32) -> None:
     """Our batched greedy tokens equal transformers' `generate` for each prompt alone."""
-    from engine.generate import greedy_generate
-
-    runner = make_runner(tiny.config, tiny.model)
-    pool = BlockPool(runner.kv_cache.num_pages)
-    ours = greedy_generate(runner, pool, prompts, max_tokens=max_tokens)
+    ours = engine_greedy(tiny.model, prompts, max_tokens)
     tiny.ref.generation_config.eos_token_id = None
     tiny.ref.generation_config.pad_token_id = 0
     for ids, out in zip(prompts, ours, strict=True):
@@ -148,7 +144,36 @@ def check_greedy_matches(tiny: TinyModel, prompts: list[list[int]], max_tokens: 
                 torch.tensor([ids]), do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens
             )
         assert out == ref[0, len(ids) :].tolist()
-    assert pool.num_free == pool.num_pages
+
+
+def engine_greedy(
+    model: CausalLM,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    tokenizer: Any = None,
+    page_size: int = 16,
+    num_pages: int = 256,
+) -> list[list[int]]:
+    """Greedy tokens for every prompt, batched through the serving `Engine` (the code users run).
+    Without a tokenizer, end-of-sequence is ignored (transformers' reference runs without one)."""
+    from engine.engine import Engine, EngineConfig
+    from engine.sampling_params import SamplingParams
+    from kvstore.spec import KVSpec
+
+    mc = model.config
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    spec = KVSpec(mc.num_layers, model.local_kv_heads, mc.head_dim, page_size, dtype)
+    config = EngineConfig(
+        kv_cache_bytes=num_pages * spec.bytes_per_page, page_size=page_size, attention_backend="torch_paged",
+        max_num_batched_tokens=max(512, sum(len(p) for p in prompts)),
+    )  # fmt: skip
+    engine = Engine(model, tokenizer, config)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=tokenizer is None)
+    handles = [engine.add_request(p, params) for p in prompts]
+    engine.run_until_idle()
+    assert engine.pool.num_free == engine.pool.num_pages
+    return [h.result()[0] for h in handles]
 
 
 def check_logits_all_chunkings(

@@ -17,7 +17,7 @@ from typing import Any
 import xgrammar as xgr
 from xgrammar import structural_tag as st
 
-from engine.tokenizer import Tokenizer
+from engine.loading.tokenizer import Tokenizer
 from tools.schema import ToolSpec
 
 

@@ -20,7 +20,7 @@ import torch
 import xgrammar as xgr
 
 from engine.grammar import GrammarHook, Matcher
-from engine.tokenizer import Tokenizer
+from engine.loading.tokenizer import Tokenizer
 from tools.formats import HERMES, ToolCallFormat, structural_tag
 from tools.schema import InvalidSchema, ToolSpec, check_json_schema, clean_compiler_message
 

@@ -1,0 +1,1 @@
+"""torch.distributed: the parallel context the model layers use, and rank launching."""

@@ -1,0 +1,1 @@
+"""From a `--model` value to a loaded model: sources, safetensors and GGUF readers, weights, tokenizer."""

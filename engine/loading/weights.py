@@ -1,0 +1,241 @@
+"""Loading a checkpoint into the model, tensor by tensor, with verification and statistics.
+
+Sources (safetensors directories, GGUF files) yield `SourceTensor`s under transformers'
+names; the model maps each name to a parameter (or a slice of a packed one). The model is
+built on the meta device and materialised empty, so peak memory is the model plus one
+tensor in flight. After loading, every parameter slice must have been filled exactly once
+and no checkpoint tensor may be left unused; errors name the file, tensor and shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import xxhash
+from tqdm import tqdm
+
+from engine.distributed.parallel import SINGLE, ParallelContext
+from engine.loading.safetensors_file import (
+    CheckpointError,
+    TensorEntry,
+    checkpoint_files,
+    read_header,
+    read_tensor,
+    read_tensor_part,
+)
+from engine.model.config import ModelConfig
+from engine.model.layers import OTHER_RANK
+from engine.model.linear import pack_linears
+from engine.model.model import CausalLM
+from engine.model.tp import SourceSlice
+
+log = logging.getLogger("longctx.weights")
+
+# Tensors some checkpoints carry that no model here needs.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str  # transformers' parameter name
+    shape: tuple[int, ...]
+    nbytes: int  # bytes read from storage
+    file: str
+    read: Callable[[], torch.Tensor]
+    # Reads only a part (a tensor-parallel rank's slice): (tensor, bytes read). None: read whole, then slice.
+    read_part: Callable[[SourceSlice], tuple[torch.Tensor, int]] | None = None
+
+
+class TensorSource(Protocol):
+    description: str
+
+    def tensors(self) -> Iterator[SourceTensor]: ...
+
+
+class SafetensorsSource:
+    """A directory with `config.json` and one or more `*.safetensors` files."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.description = str(directory)
+        self.files = checkpoint_files(directory)
+        self.entries = [e for f in self.files for e in read_header(f)]
+
+    def tensors(self) -> Iterator[SourceTensor]:
+        for e in self.entries:
+            part = partial(_read_part, e)
+            yield SourceTensor(e.name, e.shape, e.nbytes, str(e.file), partial(read_tensor, e), part)
+
+
+def _read_part(entry: TensorEntry, part: SourceSlice) -> tuple[torch.Tensor, int]:
+    return read_tensor_part(entry, part.dim, part.ranges)
+
+
+@dataclass
+class LoadStats:
+    bytes_read: int = 0
+    num_tensors: int = 0
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+    fingerprint: str = ""  # xxh3-128 over every tensor's name and bytes, order-independent
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items())
+        return (
+            f"loaded {self.num_tensors} tensors, {self.bytes_read / 1e6:.1f} MB in {self.seconds:.2f}s "
+            f"({self.gb_per_s:.2f} GB/s; {phases})"
+        )
+
+
+def build_empty(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device | str, parallel: ParallelContext = SINGLE
+) -> CausalLM:
+    """The model (this rank's shard of it) with uninitialised parameters of `dtype` on `device`."""
+    with torch.device("meta"):
+        model = CausalLM(config, parallel)
+    model = model.to(dtype).to_empty(device=device)
+    model.init_buffers()
+    return model
+
+
+def load_weights(
+    model: CausalLM, source: TensorSource, *, progress: bool | None = None, stats: LoadStats | None = None
+) -> LoadStats:
+    """Fill `model`'s parameters from `source`. Raises CheckpointError on any mismatch.
+
+    A sharded model reads only its slice of each split tensor and skips tensors of other ranks;
+    `stats.bytes_read` counts the bytes actually read."""
+    stats = stats or LoadStats()
+    t0 = time.perf_counter()
+    params = dict(model.named_parameters())
+    mapping = model.checkpoint_name_map()
+    shard_specs = model.shard_specs()
+    slices = model.source_slices()
+    loaded: dict[str, set[object]] = {name: set() for name in params}
+    digests: list[bytes] = []
+    unexpected: list[str] = []
+    tensors = list(source.tensors())
+    total = sum(t.nbytes for t in tensors)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="loading weights",
+        disable=None if progress is None else not progress,
+    )
+    tied = model.config.tie_word_embeddings
+    read_s = 0.0
+    for t in tensors:
+        target = mapping(t.name)
+        if target == OTHER_RANK:
+            bar.update(t.nbytes)
+            continue
+        if target is None:
+            if t.name.endswith(IGNORED_SUFFIXES) or (tied and t.name == "lm_head.weight"):
+                bar.update(t.nbytes)
+                continue
+            unexpected.append(f"{t.name} (in {t.file})")
+            continue
+        pname, shard = target
+        param = params[pname]
+        specs = shard_specs.get(pname)
+        if shard is not None and (specs is None or shard not in specs):
+            raise CheckpointError(f"{t.file}: tensor {t.name!r} maps to unknown part {shard!r} of {pname}")
+        dest = param.data[specs[shard]] if specs is not None and shard is not None else param.data
+        part = slices.get(pname, {}).get(shard)
+        if part is not None and not part.fits(t.shape):
+            raise CheckpointError(f"{t.file}: tensor {t.name!r} of shape {list(t.shape)} has no part {part}")
+        shape = t.shape if part is None else part.shape(t.shape)
+        if tuple(dest.shape) != tuple(shape):
+            what = "" if part is None else f" (this rank's part {list(shape)})"
+            raise CheckpointError(
+                f"{t.file}: tensor {t.name!r} has shape {list(t.shape)}{what}, the model expects {list(dest.shape)}"
+            )
+        if shard in loaded[pname]:
+            raise CheckpointError(f"{t.file}: tensor {t.name!r} appears twice in the checkpoint")
+        if loaded[pname] and (shard is None or None in loaded[pname]):
+            # A packed parameter comes whole (fused checkpoint tensor) or in parts, never both.
+            raise CheckpointError(f"{t.file}: tensor {t.name!r} overlaps another tensor loaded into {pname}")
+        r0 = time.perf_counter()
+        if part is None:
+            value, nbytes = t.read(), t.nbytes
+        elif t.read_part is not None:
+            value, nbytes = t.read_part(part)
+        else:
+            value, nbytes = part.take(t.read()), t.nbytes
+        read_s += time.perf_counter() - r0
+        digests.append(_digest(t.name, value))
+        dest.copy_(value.to(dest.dtype))
+        loaded[pname].add(shard)
+        stats.bytes_read += nbytes
+        stats.num_tensors += 1
+        bar.update(t.nbytes)
+        del value
+    bar.close()
+    if unexpected:
+        raise CheckpointError(
+            f"{source.description}: {len(unexpected)} unexpected tensor(s) the model has no parameter for: "
+            + ", ".join(unexpected[:5])
+        )
+    missing = []
+    for name in params:
+        expected = set(shard_specs.get(name, {None: ()}).keys())
+        if None in loaded[name]:
+            continue  # loaded whole: covers every part
+        for shard in sorted(expected - loaded[name], key=str):
+            missing.append(name if shard is None else f"{name} (part {shard})")
+    if missing:
+        raise CheckpointError(
+            f"{source.description}: {len(missing)} tensor(s) missing from the checkpoint: " + ", ".join(missing[:5])
+        )
+    h = xxhash.xxh3_128()
+    for d in sorted(digests):
+        h.update(d)
+    stats.fingerprint = h.hexdigest()
+    elapsed = time.perf_counter() - t0
+    stats.phases["read"] = stats.phases.get("read", 0.0) + read_s
+    stats.phases["copy"] = stats.phases.get("copy", 0.0) + elapsed - read_s
+    stats.seconds += elapsed
+    return stats
+
+
+def _digest(name: str, value: torch.Tensor) -> bytes:
+    h = xxhash.xxh3_128(name.encode())
+    h.update(value.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+    return h.digest()
+
+
+def load_model(
+    config: ModelConfig,
+    source: TensorSource,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    *,
+    progress: bool | None = None,
+    parallel: ParallelContext = SINGLE,
+) -> tuple[CausalLM, LoadStats]:
+    """Build the model (this rank's shard) and load its weights. Returns (model in eval mode, statistics)."""
+    stats = LoadStats()
+    t0 = time.perf_counter()
+    model = build_empty(config, dtype, device, parallel)
+    stats.phases["build"] = time.perf_counter() - t0
+    stats.seconds = stats.phases["build"]
+    load_weights(model, source, progress=progress, stats=stats)
+    t1 = time.perf_counter()
+    if pack_linears(model):
+        stats.phases["pack"] = time.perf_counter() - t1
+        stats.seconds += stats.phases["pack"]
+    model.eval()
+    log.info("%s: %s", source.description, stats.summary())
+    return model, stats

@@ -1,0 +1,1 @@
+"""The model: config, decoder layers, MoE, RoPE, tensor/expert-parallel sharding, CPU linears."""

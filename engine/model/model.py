@@ -1,0 +1,254 @@
+"""The decoder: one forward pass over a flat batch of tokens from many sequences.
+
+Llama, Mistral, Qwen2 and Qwen3 (and their MoE variants, whose sparse block lives in
+`engine/model/moe.py`) share this structure; their differences are config flags (q/k/v bias,
+q/k norm, sliding windows, the MLP kind per layer). Projections are fused (QKV, gate+up);
+the checkpoint's separate tensors are loaded into slices of them (`shard_specs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.distributed.parallel import SINGLE, ParallelContext
+from engine.model.config import ModelConfig
+from engine.model.layers import OTHER_RANK, DenseMLP, RMSNorm, ShardIndex, set_shards
+from engine.model.moe import SparseMoE
+from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.model.tp import (
+    SourceSlice,
+    VocabParallelEmbedding,
+    gather_vocab,
+    rows,
+    set_other_rank,
+    set_source_slices,
+    split_heads,
+)
+
+# Older spellings of module paths in checkpoints, rewritten before mapping a name.
+CHECKPOINT_RENAMES = ((".block_sparse_moe.", ".mlp."),)  # Mixtral as saved by transformers
+
+
+class Attention(nn.Module):
+    """Under tensor parallelism this rank's heads only (`split_heads`): QKV split by output rows,
+    o_proj by input columns, then one all-reduce; o_proj's bias lives on rank 0 only."""
+
+    def __init__(self, config: ModelConfig, layer: int, parallel: ParallelContext = SINGLE):
+        super().__init__()
+        self.layer = layer
+        self.parallel = parallel
+        heads = split_heads(config.num_heads, config.num_kv_heads, parallel)
+        self.num_heads = heads.heads
+        self.num_kv_heads = heads.kv_heads
+        self.head_dim = D = config.head_dim
+        self.window = config.window(layer)
+        q_size, kv_size = heads.heads * D, heads.kv_heads * D
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias and parallel.rank == 0)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
+        parts: dict[object, ShardIndex] = {
+            "q": (slice(0, q_size),),
+            "k": (slice(q_size, q_size + kv_size),),
+            "v": (slice(q_size + kv_size, q_size + 2 * kv_size),),
+        }
+        set_shards(self.qkv_proj, "weight", parts)
+        if self.qkv_proj.bias is not None:
+            set_shards(self.qkv_proj, "bias", parts)
+        if parallel.sharded:
+            src: dict[object, SourceSlice] = {
+                "q": rows(heads.q_start * D, q_size),
+                "k": rows(heads.kv_start * D, kv_size),
+                "v": rows(heads.kv_start * D, kv_size),
+            }
+            set_source_slices(self.qkv_proj, "weight", src)
+            if self.qkv_proj.bias is not None:
+                set_source_slices(self.qkv_proj, "bias", src)
+            set_source_slices(self.o_proj, "weight", {None: rows(heads.q_start * D, q_size, dim=1)})
+            if config.o_proj_bias and parallel.rank != 0:
+                set_other_rank(self.o_proj, "bias")
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; writes this layer's new K/V into `cache`."""
+        T = x.shape[0]
+        D = self.head_dim
+        H, KVH = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, H + 2 * KVH, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H : H + KVH])), dim=1)
+        else:
+            qk = qkv[:, : H + KVH]
+        qk = apply_rotary(qk, *cos_sin)  # q and k rotated together: [T, H + KVH, D]
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KVH :]
+        o = backend.forward(self.layer, q, k, v, cache, self.window)  # [T, H, D]
+        return self.parallel.all_reduce(self.o_proj(o.reshape(T, self.num_heads * D)))
+
+
+def make_mlp(config: ModelConfig, layer: int, parallel: ParallelContext = SINGLE) -> nn.Module:
+    """The feed-forward block of a layer: dense, or sparse MoE for MoE configs."""
+    if config.moe is not None and layer not in config.moe.dense_layers:
+        return SparseMoE(config, parallel)
+    return DenseMLP(config.hidden_size, config.intermediate_size, parallel)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, parallel: ParallelContext = SINGLE):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer, parallel)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = make_mlp(config, layer, parallel)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
+        super().__init__()
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+            if parallel.sharded
+            # An explicit weight skips nn.Embedding's random init, whose meta-device kernels alone
+            # cost ~170 MB of resident memory the first time they run; the loader fills it.
+            else nn.Embedding(
+                config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+            )
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Parameter names follow transformers' (`model.layers.N...`, `lm_head`) but for the fused
+    projections; `checkpoint_name_map` translates checkpoint names to (parameter, shard).
+
+    Built with a sharded `ParallelContext`, every parameter has this rank's local shape and the
+    vocabulary is split too: the LM head computes this rank's logit columns, gathered after.
+    """
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
+        super().__init__()
+        self.config = config
+        self.parallel = parallel
+        self.model = Backbone(config, parallel)
+        v_start, v_size = parallel.split(config.vocab_size)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, v_size, bias=False)
+        if self.lm_head is not None and parallel.sharded:
+            set_source_slices(self.lm_head, "weight", {None: rows(v_start, v_size)})
+        heads = split_heads(config.num_heads, config.num_kv_heads, parallel)
+        self.local_heads, self.local_kv_heads = heads.heads, heads.kv_heads  # the KV cache holds these
+        self.rope = RotaryEmbedding(config)
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (after building on the meta device)."""
+        device = self.model.embed_tokens.weight.device
+        self.rope = RotaryEmbedding(self.config).to(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One step.
+
+        Args:
+            input_ids: [T] int64, the step's new tokens, sequences concatenated.
+            meta: the batch description (positions, pages); `backend` must be planned with it.
+            kv_caches: per layer `[num_pages, 2, page_size, KVH, D]`.
+            logits_indices: [N] rows of the batch whose logits are wanted (None = all).
+        Returns:
+            [N, vocab] float32 logits.
+        """
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rope.cos_sin(meta.positions, x.dtype)
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos_sin, cache, backend)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = self.model.norm(x)
+        head = self.lm_head
+        logits = F.linear(x, self.model.embed_tokens.weight) if head is None else head(x)  # [N, V_local]
+        if self.parallel.sharded:
+            logits = gather_vocab(logits, self.config.vocab_size, self.parallel)  # [N, V]
+        return logits.float()
+
+    def shard_specs(self) -> dict[str, dict[object, ShardIndex]]:
+        """Packed parameters by full name, each with its parts' destinations."""
+        out = {}
+        for mname, module in self.named_modules():
+            for pname, specs in module.__dict__.get("shard_specs", {}).items():
+                out[f"{mname}.{pname}" if mname else pname] = specs
+        return out
+
+    def source_slices(self) -> dict[str, dict[object, SourceSlice]]:
+        """Split parameters by full name: per shard key, the part of the checkpoint tensor to read."""
+        out = {}
+        for mname, module in self.named_modules():
+            for pname, slices in module.__dict__.get("source_slices", {}).items():
+                out[f"{mname}.{pname}" if mname else pname] = slices
+        return out
+
+    def checkpoint_name_map(self) -> Callable[[str], tuple[str, object] | None]:
+        """A function from a checkpoint tensor name to (our parameter name, shard key or None),
+        `OTHER_RANK` for a tensor only other ranks load, or None for a tensor this model does not use."""
+        packed = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+            "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+            "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+            "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+            "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+        }
+        params = dict(self.named_parameters())
+        others = {
+            f"{mname}.{p}"
+            for mname, module in self.named_modules()
+            for p in module.__dict__.get("other_rank_params", ())
+        }
+        moe_maps = {
+            name: module.checkpoint_name_map
+            for name, module in self.named_modules()
+            if hasattr(module, "checkpoint_name_map") and module is not self
+        }
+
+        def mapped(name: str) -> tuple[str, object] | None:
+            for old, new in CHECKPOINT_RENAMES:
+                name = name.replace(old, new)
+            for prefix, fn in moe_maps.items():
+                if name.startswith(prefix + "."):
+                    hit = fn(name[len(prefix) + 1 :])
+                    if hit == OTHER_RANK:
+                        return OTHER_RANK
+                    if hit is not None:
+                        return prefix + "." + hit[0], hit[1]
+            for src, (dst, shard) in packed.items():
+                marker = "." + src + "."
+                if marker in name:
+                    target = name.replace(marker, "." + dst + ".")
+                    return (target, shard) if target in params else None
+            if name in others:
+                return OTHER_RANK
+            return (name, None) if name in params else None
+
+        return mapped

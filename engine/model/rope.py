@@ -1,0 +1,112 @@
+"""Rotary position embeddings: inverse frequencies per scaling type, and their application.
+
+The cos/sin table is computed once for all positions up to the model's context, in
+float32, and gathered per step by position; q and k are rotated in the NeoX
+(rotate-half) convention that Llama/Qwen/Mistral checkpoints use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.model.config import ModelConfig, RopeConfig
+
+
+def inv_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [head_dim/2] float32 on CPU, attention_factor applied to cos and sin).
+
+    Always computed on the CPU, also inside a meta-device context: the first meta-device
+    arange loads torch's reference kernels, ~170 MB of resident memory for nothing."""
+    dim = head_dim
+    base = rope.theta
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    if rope.type == "dynamic":
+        # A fixed NTK-aware base for the whole extended context (max_position x factor):
+        # transformers' dynamic formula evaluated at seq_len = max_position * factor.
+        seq_len = max_position_embeddings * rope.factor
+        f = rope.factor
+        base = base * ((f * seq_len / max_position_embeddings) - (f - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base**exponents)
+    attention_factor = 1.0
+    if rope.type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.type == "llama3":
+        inv_freq = _llama3(inv_freq, rope, max_position_embeddings)
+    elif rope.type == "yarn":
+        inv_freq, attention_factor = _yarn(rope, dim, max_position_embeddings)
+    return inv_freq, attention_factor
+
+
+def _llama3(inv_freq: torch.Tensor, rope: RopeConfig, max_pos: int) -> torch.Tensor:
+    old_len = rope.original_max_position_embeddings or max_pos
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn(rope: RopeConfig, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+    base, factor = rope.theta, rope.factor
+    orig = rope.original_max_position_embeddings or max_pos
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.attention_factor is not None:
+        attention_factor = float(rope.attention_factor)
+    elif rope.mscale and rope.mscale_all_dim:
+        attention_factor = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+    else:
+        attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, attention_factor
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Rotary embedding of one model: cos/sin computed once per step for that step's positions.
+
+    No table over the whole context is kept: for a 128k-token model it would cost more memory
+    than the step's [T, D] product it saves.
+    """
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        inv_freq, attention_factor = inv_frequencies(config.rope, config.head_dim, config.max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_factor = attention_factor
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Args: positions [T] int64. Returns (cos, sin), each [T, 1, D] in `dtype`."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2] float32
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Args: x [T, H, D]; cos, sin [T, 1, D]. Returns x rotated (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
