@@ -4,14 +4,32 @@ The scheduler asks `fetch` for a request's leading full pages missing from the d
 (by content hash); the lookup runs off the step thread and the request waits in a loading
 state until `ready()` (or a deadline). `take` then says how many leading pages arrived and
 `load` copies them into freshly allocated device pages. Full pages computed by the engine
-are offered to `save` (write-behind: it must never block the step), and pages whose device
+are offered to `save` (write-behind: it must never block the step), pages matched in the
+device pool are offered to `touch` (an outer tier keeps them alive), and pages whose device
 memory is about to be reused are offered to `evict` (the host tier keeps a copy).
 `kvstore.tiers.TieredStore` provides the host and Redis tiers; `NoConnector` has nothing.
+
+The deadline of a lookup comes from its cost (`lookup_wait_s`): a request waits for a tier
+while fetching its pages is expected to beat recomputing them, so a Redis answering in
+300 ms still restores a long history, and a slow one never holds a short prompt back.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
+
+LOOKUP_FLOOR_S = 0.1  # the least wait: covers a local tier's jitter and the step's polling
+LOOKUP_SLACK = 1.5  # wait this many times the expected fetch before giving up
+
+
+def lookup_wait_s(fetch_s: float, recompute_s: float, cap_s: float) -> float:
+    """How long a request may wait for a lookup: while fetching is expected to beat recomputing
+    (`fetch_s` < `recompute_s`), `LOOKUP_SLACK` x the expected fetch (at least
+    `LOOKUP_FLOOR_S`), never past `cap_s`; otherwise only the floor (host pages are at hand
+    and a fast answer is still taken)."""
+    if fetch_s >= recompute_s:
+        return min(cap_s, LOOKUP_FLOOR_S)
+    return min(cap_s, max(LOOKUP_FLOOR_S, LOOKUP_SLACK * fetch_s))
 
 
 class PendingFetch(Protocol):
@@ -30,8 +48,15 @@ class KVConnector(Protocol):
     def fetch(self, page_hashes: list[bytes]) -> PendingFetch | None:
         """Start looking up these leading pages; None when there is nowhere to look."""
 
+    def fetch_cost_s(self, num_pages: int) -> float:
+        """Expected seconds for a lookup of `num_pages` pages (measured by the tiers)."""
+
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         """Offer full, computed device pages for storage (must not block the step)."""
+
+    def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
+        """These device pages, holding these hashes, were matched and are used again (must
+        not block the step)."""
 
     def evict(self, evicted: list[tuple[int, bytes]]) -> None:
         """(page, hash) pairs whose device memory is about to be reused."""
@@ -43,7 +68,13 @@ class NoConnector:
     def fetch(self, page_hashes: list[bytes]) -> PendingFetch | None:
         return None
 
+    def fetch_cost_s(self, num_pages: int) -> float:
+        return 0.0
+
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
+        return None
+
+    def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
         return None
 
     def evict(self, evicted: list[tuple[int, bytes]]) -> None:

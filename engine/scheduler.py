@@ -11,17 +11,21 @@ Prefix cache: a request being admitted first takes the pages of its leading full
 found in the device pool by content hash (shared, reference counted), then asks the KV
 connector (host and Redis tiers) for the pages that follow. A connector lookup runs off the
 step thread: the request is parked in `loading` while the others keep stepping, and is
-admitted when the fetch completes, or after `lookup_timeout_s` with what had arrived.
-Pages that fill up are named by their hash once computed, and offered to the connector.
+admitted when the fetch completes, or at a deadline with what had arrived: the deadline
+gives the lookup as long as fetching is expected to beat recomputing (the connector's
+measured cost against `recompute_s`), at most `lookup_timeout_s`. Pages matched in the
+pool are `touch`ed (the connector keeps their copies alive). Pages that fill up are named
+by their hash once computed, and offered to the connector.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
-from engine.kv_connector import KVConnector, NoConnector, PendingFetch
+from engine.kv_connector import KVConnector, NoConnector, PendingFetch, lookup_wait_s
 from engine.request import Request
 from kvstore.block_pool import BlockPool
 from kvstore.prefix import Namespace, hash_page, max_cached_pages
@@ -49,8 +53,13 @@ class Scheduler:
         *,
         namespace: Namespace | None = None,
         connector: KVConnector | None = None,
-        lookup_timeout_s: float = 0.1,
+        lookup_timeout_s: float = 5.0,
+        recompute_s: Callable[[int], float] = lambda num_tokens: num_tokens / 1000.0,
     ):
+        """Args:
+        lookup_timeout_s: the longest a request waits for a connector lookup.
+        recompute_s: expected seconds to prefill this many tokens (`PrefillRate.seconds`).
+        """
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.pool = pool
@@ -60,6 +69,7 @@ class Scheduler:
         self.namespace = namespace  # None: prefix caching off
         self.connector = connector or NoConnector()
         self.lookup_timeout_s = lookup_timeout_s
+        self.recompute_s = recompute_s
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # arrival order: the last is the first to be preempted
         self.loading: list[_Loading] = []  # waiting for pages from the host or Redis tier
@@ -155,11 +165,17 @@ class Scheduler:
         limit = max_cached_pages(req.num_tokens, self.page_size)
         hashes = self._page_hashes(req, limit)[:limit]
         req.pages = self.pool.match(hashes)
+        if req.pages:
+            self.connector.touch(hashes[: len(req.pages)], req.pages)
         req.num_computed = len(req.pages) * self.page_size
         self._named[req] = len(req.pages)
         fetch = self.connector.fetch(hashes[len(req.pages) :]) if len(req.pages) < limit else None
         if fetch is not None and not fetch.ready():
-            self.loading.append(_Loading(req, fetch, time.monotonic() + self.lookup_timeout_s))
+            n = limit - len(req.pages)
+            wait = lookup_wait_s(
+                self.connector.fetch_cost_s(n), self.recompute_s(n * self.page_size), self.lookup_timeout_s
+            )
+            self.loading.append(_Loading(req, fetch, time.monotonic() + wait))
             return True
         self._complete(req, fetch, expired=False)
         return False
