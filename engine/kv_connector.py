@@ -9,7 +9,7 @@ device pool are offered to `touch` (an outer tier keeps them alive), and pages w
 memory is about to be reused are offered to `evict` (the host tier keeps a copy).
 `kvstore.tiers.TieredStore` provides the host and Redis tiers; `NoConnector` has nothing.
 
-The deadline of a lookup comes from its cost (`lookup_wait_s`): a request waits for a tier
+The deadline of a lookup comes from its cost (`lookup_plan`): a request waits for a tier
 while fetching its pages is expected to beat recomputing them, so a Redis answering in
 300 ms still restores a long history, and a slow one never holds a short prompt back.
 """
@@ -22,14 +22,17 @@ LOOKUP_FLOOR_S = 0.1  # the least wait: covers a local tier's jitter and the ste
 LOOKUP_SLACK = 1.5  # wait this many times the expected fetch before giving up
 
 
-def lookup_wait_s(fetch_s: float, recompute_s: float, cap_s: float) -> float:
-    """How long a request may wait for a lookup: while fetching is expected to beat recomputing
-    (`fetch_s` < `recompute_s`), `LOOKUP_SLACK` x the expected fetch (at least
-    `LOOKUP_FLOOR_S`), never past `cap_s`; otherwise only the floor (host pages are at hand
-    and a fast answer is still taken)."""
+def lookup_plan(fetch_s: float, recompute_s: float, cap_s: float) -> tuple[bool, float]:
+    """Whether to ask the remote tiers, and how long a request may wait for its lookup.
+
+    While fetching is expected to beat recomputing (`fetch_s` < `recompute_s`): ask, and wait
+    `LOOKUP_SLACK` x the expected fetch (at least `LOOKUP_FLOOR_S`), never past `cap_s`.
+    Otherwise take only what is at hand (host memory), and a remote tier is not asked at all:
+    its answer would come after the recompute, and it would hold up the lookups behind it.
+    """
     if fetch_s >= recompute_s:
-        return min(cap_s, LOOKUP_FLOOR_S)
-    return min(cap_s, max(LOOKUP_FLOOR_S, LOOKUP_SLACK * fetch_s))
+        return False, min(cap_s, LOOKUP_FLOOR_S)
+    return True, min(cap_s, max(LOOKUP_FLOOR_S, LOOKUP_SLACK * fetch_s))
 
 
 class PendingFetch(Protocol):
@@ -45,8 +48,9 @@ class PendingFetch(Protocol):
 
 
 class KVConnector(Protocol):
-    def fetch(self, page_hashes: list[bytes]) -> PendingFetch | None:
-        """Start looking up these leading pages; None when there is nowhere to look."""
+    def fetch(self, page_hashes: list[bytes], remote: bool = True) -> PendingFetch | None:
+        """Start looking up these leading pages; None when there is nowhere to look. Without
+        `remote`, only tiers that answer at once (host memory) are asked."""
 
     def fetch_cost_s(self, num_pages: int) -> float:
         """Expected seconds for a lookup of `num_pages` pages (measured by the tiers)."""
@@ -65,7 +69,7 @@ class KVConnector(Protocol):
 class NoConnector:
     """Nothing outside device memory."""
 
-    def fetch(self, page_hashes: list[bytes]) -> PendingFetch | None:
+    def fetch(self, page_hashes: list[bytes], remote: bool = True) -> PendingFetch | None:
         return None
 
     def fetch_cost_s(self, num_pages: int) -> float:

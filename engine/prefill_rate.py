@@ -1,7 +1,7 @@
 """How fast this engine prefills, measured: what recomputing a prefix would cost.
 
 The scheduler weighs waiting for KV pages from a tier against recomputing them
-(`engine.kv_connector.lookup_wait_s`); the tier measures its side, this measures ours:
+(`engine.kv_connector.lookup_plan`); the tier measures its side, this measures ours:
 tokens computed per second of the steps that prefill (EWMA, each step weighted by its
 size, so a step of a few tokens, dominated by fixed overhead, moves it little).
 Steps are timed on the host: on CUDA a step that does not sample is not synchronized,

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from engine.kv_connector import KVConnector, NoConnector, PendingFetch, lookup_wait_s
+from engine.kv_connector import KVConnector, NoConnector, PendingFetch, lookup_plan
 from engine.request import Request
 from kvstore.block_pool import BlockPool
 from kvstore.prefix import Namespace, hash_page, max_cached_pages
@@ -169,12 +169,13 @@ class Scheduler:
             self.connector.touch(hashes[: len(req.pages)], req.pages)
         req.num_computed = len(req.pages) * self.page_size
         self._named[req] = len(req.pages)
-        fetch = self.connector.fetch(hashes[len(req.pages) :]) if len(req.pages) < limit else None
-        if fetch is not None and not fetch.ready():
+        fetch, wait = None, 0.0
+        if len(req.pages) < limit:
             n = limit - len(req.pages)
-            wait = lookup_wait_s(
-                self.connector.fetch_cost_s(n), self.recompute_s(n * self.page_size), self.lookup_timeout_s
-            )
+            cost = self.connector.fetch_cost_s(n)
+            remote, wait = lookup_plan(cost, self.recompute_s(n * self.page_size), self.lookup_timeout_s)
+            fetch = self.connector.fetch(hashes[len(req.pages) :], remote=remote)
+        if fetch is not None and not fetch.ready():
             self.loading.append(_Loading(req, fetch, time.monotonic() + wait))
             return True
         self._complete(req, fetch, expired=False)

@@ -17,11 +17,13 @@ Redis is a cache here, and its health is tracked per direction: a failed write (
 timeout, out of memory under `noeviction`) stops writes for `retry_s`, a failed read stops
 lookups for `retry_s`, each with one warning and a counter. A full server thus still serves
 lookups. Nothing waits on Redis but the writer and lookup threads. Both time their requests,
-so the engine can tell whether waiting for a lookup beats recomputing (`fetch_cost_s`).
+so the engine can tell whether waiting for a lookup beats recomputing (`fetch_cost_s`);
+the reader connects and times a PING when the tier is built.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -116,6 +118,7 @@ class RedisTier:
         self.rewrite: Callable[[list[bytes]], tuple[list[bytes], torch.Tensor] | None] | None = None
         self._idle = threading.Event()
         self._idle.set()
+        self._connect_reader()
         self._thread = threading.Thread(target=self._write_loop, name="longctx-kv-writer", daemon=True)
         self._thread.start()
 
@@ -185,7 +188,8 @@ class RedisTier:
             self._refreshed.popitem(last=False)
 
     def _write_loop(self) -> None:
-        self._measure_round_trip()
+        with contextlib.suppress(redis.RedisError):
+            self._writer.ping()  # connect before the first write
         while True:
             item = self._queue.get()
             if item is None:
@@ -215,15 +219,14 @@ class RedisTier:
                 if self._pending_items == 0:
                     self._idle.set()
 
-    def _measure_round_trip(self) -> None:
-        """Connect both clients at start (a connection's handshake takes several round trips,
-        which the first lookup should not pay) and time one PING, so the first lookup's
-        deadline already knows a slow Redis."""
+    def _connect_reader(self) -> None:
+        """Connect the reader now and time one PING: a connection's handshake takes several
+        round trips, which the first lookup should not pay, and the first lookup's deadline
+        should already know a slow Redis. At most the reader's timeouts (about 2 s)."""
         try:
             self._reader.ping()
-            self._writer.ping()
             t0 = time.monotonic()
-            self._writer.ping()
+            self._reader.ping()
             self.link.observe(0, time.monotonic() - t0)
         except redis.RedisError:
             pass  # an unreachable Redis shows itself on the first read or write

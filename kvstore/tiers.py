@@ -131,13 +131,14 @@ class TieredStore:
         if redis is not None:
             redis.rewrite = self._copy_for_rewrite
 
-    def fetch(self, page_hashes: list[bytes]) -> _Fetch | None:
-        if not page_hashes or (self.host.budget_bytes == 0 and self.redis is None):
+    def fetch(self, page_hashes: list[bytes], remote: bool = True) -> _Fetch | None:
+        """Host pages at once; with `remote`, Redis is asked for the rest on the lookup thread."""
+        if not page_hashes or (self.host.budget_bytes == 0 and (self.redis is None or not remote)):
             return None
         host = self.host.get_prefix(page_hashes)
         fetch = _Fetch(self, page_hashes, host)
         rest = page_hashes[len(host) :]
-        if rest and self.redis is not None and self._lookups is not None and self.redis.readable():
+        if rest and remote and self.redis is not None and self._lookups is not None and self.redis.readable():
             fetch.remote = self._lookups.submit(self.redis.get_prefix, rest, fetch.arrived, fetch.cancel)
         return fetch
 

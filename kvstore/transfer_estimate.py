@@ -2,15 +2,17 @@
 
 The engine decides per lookup whether waiting for a tier beats recomputing the pages, so
 each tier keeps a running estimate of its own link. A transfer of `b` bytes in one request
-is modelled as `rtt + b / rate`. Each observed transfer updates the term that dominated it
-(exponentially weighted, `alpha` per sample): a small transfer says little about the rate
-and mostly measures the round trip, a large one mostly measures the rate. Priors stand until
-the first sample of each kind.
+is modelled as `rtt + b / rate`. A transfer that mostly waited (a PING, EXPIREs, a few pages
+over a slow link) measures the round trip; one that mostly moved bytes, with the round trip
+taken off, measures the rate (each exponentially weighted, `alpha` per sample). Priors stand
+until the first sample of each kind; the Redis tier PINGs once at start.
 """
 
 from __future__ import annotations
 
 import threading
+
+SMALL_BYTES = 64 << 10  # a transfer smaller than this measures the round trip, a larger one the rate
 
 
 class TransferEstimate:
@@ -32,13 +34,14 @@ class TransferEstimate:
         """One request that moved `num_bytes` (either way) and took `seconds` to answer."""
         seconds = max(seconds, 1e-6)
         with self._lock:
-            transfer = num_bytes / self.bytes_per_s
-            if transfer < 0.5 * seconds:  # mostly waiting for the answer: a round-trip sample
-                sample = max(seconds - transfer, 0.0)
+            moving = seconds - self.rtt_s
+            if num_bytes < SMALL_BYTES or not self._rtt_measured or moving < 0.5 * seconds:
+                # Mostly the round trip (a PING, EXPIREs, a few pages over a slow link).
+                sample = max(seconds - num_bytes / self.bytes_per_s, 0.0)
                 self.rtt_s = sample if not self._rtt_measured else self._ewma(self.rtt_s, sample)
                 self._rtt_measured = True
-            else:  # mostly moving bytes: a rate sample
-                rate = num_bytes / max(seconds - self.rtt_s, 0.1 * seconds)
+            else:  # mostly moving bytes: the rate, with the round trip taken off
+                rate = num_bytes / moving
                 self.bytes_per_s = rate if not self._rate_measured else self._ewma(self.bytes_per_s, rate)
                 self._rate_measured = True
 
