@@ -129,7 +129,7 @@ class TieredStore:
         self._resident: dict[bytes, int] = {}
         self._resident_lock = threading.Lock()
         if redis is not None:
-            redis.rewrite = self._copy_for_rewrite
+            redis.writer.rewrite = self._copy_for_rewrite
 
     def fetch(self, page_hashes: list[bytes], remote: bool = True) -> _Fetch | None:
         """Host pages at once; with `remote`, Redis is asked for the rest on the lookup thread."""

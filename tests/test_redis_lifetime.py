@@ -61,7 +61,7 @@ def test_pages_in_use_outlive_their_ttl_and_lost_pages_are_written_again(
     e = _engine(tiny, url, prefix, kv_redis_ttl=3)
     assert e.store is not None and e.store.redis is not None
     tier = e.store.redis
-    assert tier.refresh_s == 1.0  # TTL / 3
+    assert tier.writer.refresh_s == 1.0  # TTL / 3
     first_logits(e, used)
     first_logits(e, unused)
     assert tier.flush(10) and tier.counters.written == 12
