@@ -1,14 +1,12 @@
 """The session store against a real Redis: every item type round-trips in the forms the OpenAI
 Agents SDK sends, paging as the SDK pages, leases and fenced commits (a failed check writes
-nothing), concurrent committers, tenant isolation, response chains, idempotency, and a Redis
-that stops (StoreUnavailable, then recovery) or evicts (refused). The randomized interleaving
-test: test_session_interleaving.py; events and jobs: test_session_streams.py."""
+nothing), concurrent committers, tenant isolation, response chains, idempotency. Elsewhere: the
+randomized interleaving of two actors (test_session_interleaving.py), events and jobs
+(test_session_streams.py), a Redis that stops or evicts (test_session_faults.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -22,51 +20,14 @@ from sessions.errors import (
     ConversationBusy,
     LeaseLost,
     NotFound,
-    StoreUnavailable,
-    UnsuitableServer,
 )
 from sessions.items import Item, Message, OutputText, parse_input, parse_item
 from sessions.models import ConversationRef, Response, new_id
 from sessions.store import SessionStore, StoreConfig
-from tests.redis_process import restartable_redis
-from tests.redis_server import private_redis, shared_redis
+from tests.redis_server import shared_redis
+from tests.test_session_models import SDK_INPUT
 
 T = TypeVar("T")
-
-# What the OpenAI Agents SDK re-sends as input (NOTES.md): messages without `type`, string
-# content, our own output items with ids, statuses, extra fields, annotations and logprobs.
-SDK_INPUT: list[dict[str, Any]] = [
-    {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "developer", "content": "Answer briefly."},
-    {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "Be terse."}]},
-    {
-        "id": "msg_1",
-        "type": "message",
-        "role": "assistant",
-        "status": "completed",
-        "phase": "commentary",
-        "content": [{"type": "output_text", "text": "Checking.", "annotations": [], "logprobs": []}],
-    },
-    {
-        "id": "fc_1",
-        "type": "function_call",
-        "call_id": "call_1",
-        "name": "get_weather",
-        "arguments": '{"city": "Paris"}',
-        "status": "completed",
-        "created_at": 1700000000,
-    },
-    {"type": "function_call_output", "call_id": "call_1", "output": "sunny", "status": None},
-    {
-        "type": "reasoning",
-        "id": "rs_1",
-        "summary": [{"type": "summary_text", "text": "weather"}],
-        "content": [{"type": "reasoning_text", "text": "look it up"}],
-        "encrypted_content": None,
-    },
-    {"type": "compaction", "id": "cmp_1", "encrypted_content": "signed-summary"},
-    {"role": "assistant", "content": "Sunny.", "phase": None, "id": None, "status": None},
-]
 
 
 @pytest.fixture(scope="module")
@@ -386,46 +347,3 @@ def test_final_responses_and_idempotency(target: tuple[str, str]) -> None:
         assert len(secret) == 32 and await SessionStore(store.client, store.config).compaction_secret() == secret
 
     run(target, body)
-
-
-def test_retries_then_unavailable_then_recovers() -> None:
-    with restartable_redis() as server:
-
-        async def body() -> None:
-            store = SessionStore.connect(server.url, StoreConfig(retry_budget_s=1.0))
-            cid = (await store.conversations.create("t", items=[user("kept")])).conversation.id
-            server.stop()
-            start = time.monotonic()
-            with pytest.raises(StoreUnavailable):
-                await store.conversations.get("t", cid)
-            assert 0.9 < time.monotonic() - start < 3.0
-            restart = threading.Timer(0.3, server.start)  # back while the next call still retries
-            restart.start()
-            patient = SessionStore(store.client, StoreConfig(retry_budget_s=5.0))
-            assert (await patient.conversations.load("t", cid)).items[0] == (
-                await store.conversations.load("t", cid)
-            ).items[0]
-            restart.join()
-            await store.conversations.append_items("t", cid, [user("after restart")])
-            assert len((await store.conversations.load("t", cid)).items) == 2
-            await store.close()
-
-        asyncio.run(body())
-
-
-def test_check_server_refuses_an_evicting_redis() -> None:
-    for args, ok in ((("--maxmemory-policy", "allkeys-lru"), False), ((), True)):
-        with private_redis(*args) as url:
-
-            async def body(url: str = url) -> None:
-                store = SessionStore.connect(url)
-                try:
-                    await store.check_server()
-                finally:
-                    await store.close()
-
-            if ok:
-                asyncio.run(body())
-            else:
-                with pytest.raises(UnsuitableServer, match="noeviction"):
-                    asyncio.run(body())
