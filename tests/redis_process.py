@@ -3,7 +3,9 @@ append-only file in the same directory so that its data survives the restart."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -34,8 +36,14 @@ class RestartableRedis:
                 raise RuntimeError(f"redis-server did not start ({' '.join(self.cmd)})")
             time.sleep(0.02)
 
+    def pause(self, paused: bool = True) -> None:
+        """Stall the server (SIGSTOP: connections stay open, nothing answers) or resume it."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None:
+            self.pause(False)
             self.proc.terminate()
             self.proc.wait(timeout=10)
             self.proc = None
