@@ -34,8 +34,8 @@ Rules:
 - The conversation version goes up with every change of its items and never goes back.
 - State keys carry `state_ttl_s`, refreshed by every write to them.
 - `conversations.load` and `responses.load_chain` are single read scripts (one round trip,
-  one snapshot) that follow ids they read (the last response, `previous_response_id` links): the store needs
-  one Redis server, not a Cluster.
+  one snapshot) that follow the ids they read (the last response, `previous_response_id`
+  links), and leases share one fence counter: the store needs one Redis, not a Cluster.
 """
 
 from __future__ import annotations

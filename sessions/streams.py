@@ -58,18 +58,20 @@ class EventLog:
         self.client, self.keys, self.retrier, self.scripts = client, keys, retrier, scripts
         self.ttl_s, self.maxlen, self.finished_ttl_s = config.state_ttl_s, config.events_maxlen, config.events_ttl_s
 
-    async def append(self, resp_id: str, event: Mapping[str, Any]) -> None:
-        """Append one event (a JSON-able mapping with an int `sequence_number`, higher than the
-        last one's; else Conflict)."""
-        args = [_event_id(event["sequence_number"]), msgspec.json.encode(event), self.ttl_s]
+    async def append(self, resp_id: str, event: Mapping[str, Any] | msgspec.Struct) -> None:
+        """Append one event: a JSON-able mapping or Struct whose int `sequence_number` is higher
+        than the last one's (else Conflict; the same number again is a replay, kept once)."""
+        seq = event["sequence_number"] if isinstance(event, Mapping) else event.sequence_number  # type: ignore[attr-defined]
+        args = [_event_id(seq), msgspec.json.encode(event), self.ttl_s]
         await self.retrier.script(self.scripts.append_event, [self.keys.events(resp_id)], args, resp_id)
 
     async def read(
         self, tenant: str, resp_id: str, starting_after: int | None = None, block_ms: int = 0, count: int = 100
     ) -> list[Event]:
         """Up to `count` events after sequence number `starting_after` (from the first if None),
-        waiting up to `block_ms` for one when there are none yet. NotFound unless the response
-        belongs to `tenant`."""
+        waiting up to `block_ms` for one when there are none yet (keep it under the client's
+        socket timeout: 10 s with `SessionStore.connect`). NotFound unless the response belongs
+        to `tenant`."""
         last = "0-0" if starting_after is None else _event_id(starting_after)
         key = self.keys.events(resp_id)
 
@@ -116,8 +118,9 @@ class JobQueue:
             if not str(e).startswith("BUSYGROUP"):
                 raise
 
-    async def _grouped(self, op: Callable[[], Awaitable[Any]], what: str) -> Any:
-        """Run `op` on the group, creating it first if Redis lost it (a restart without data)."""
+    async def _grouped(self, op: Callable[[], Awaitable[Any]], what: str, extra_s: float = 0.0) -> Any:
+        """Run `op` on the group, creating the group first if Redis has none (a new or emptied
+        server). extra_s: as in `Retrier.run`."""
 
         async def once() -> Any:
             try:
@@ -128,7 +131,7 @@ class JobQueue:
                 await self._ensure_group()
                 return await op()
 
-        return await self.retrier.run(once, what)
+        return await self.retrier.run(once, what, extra_s)
 
     async def enqueue(self, resp_id: str, tenant: str) -> str:
         """Queue a background response; returns the job id."""
@@ -139,14 +142,15 @@ class JobQueue:
         return (await self.retrier.run(once, "enqueue")).decode()  # type: ignore[no-any-return]
 
     async def claim(self, consumer: str, count: int = 1, block_ms: int = 0) -> list[Job]:
-        """New jobs for `consumer` (never delivered before), waiting up to `block_ms` for one."""
+        """New jobs for `consumer` (never delivered before), waiting up to `block_ms` for one
+        (keep it under the client's socket timeout: 10 s with `SessionStore.connect`)."""
 
         async def op() -> Any:
             return await self.client.xreadgroup(
                 GROUP, consumer, {self.keys.jobs: ">"}, count=count, block=block_ms or None
             )
 
-        reply = await self._grouped(op, "claim")
+        reply = await self._grouped(op, "claim", extra_s=block_ms / 1000)
         return [_job(eid, f) for eid, f in reply[0][1]] if reply else []
 
     async def ack(self, job_id: str) -> None:
