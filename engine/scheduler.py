@@ -91,7 +91,7 @@ class Scheduler:
         self._order: dict[Request, int] = {}  # arrival number, the second part of the key
         self._hashes: dict[Request, list[bytes]] = {}  # hashes of each request's full pages
         self._named: dict[Request, int] = {}  # leading pages already named (registered) in the pool
-        self._looked_up: set[Request] = set()  # asked the connector since (re)admission: not again
+        self._looked_up: set[Request] = set()  # asked the connector since added or preempted: not again
         self._salts: OrderedDict[str, bytes] = OrderedDict()
 
     def add(self, req: Request) -> None:
