@@ -31,6 +31,8 @@ __all__ = ["BATCH_BYTES", "RedisCounters", "RedisTier"]
 
 log = logging.getLogger("longctx.kv.redis")
 
+KEYS_PER_PIPELINE = 512  # EXISTS per pipeline when counting (keys only: no values move)
+
 
 class RedisTier:
     """Args:
@@ -139,6 +141,23 @@ class RedisTier:
             self._read_down_until = time.monotonic() + self.retry_s
             if was_up:
                 log.warning("KV Redis lookups off for %.0f s (%s); recomputing instead", self.retry_s, e)
+
+    def count_prefix(self, page_hashes: list[bytes]) -> int:
+        """How many leading pages exist in Redis (pipelined EXISTS; values are not read or
+        verified); an error ends the count (the tier's health is left to the real lookups)."""
+        n = 0
+        try:
+            for start in range(0, len(page_hashes), KEYS_PER_PIPELINE):
+                pipe = self._reader.pipeline(transaction=False)
+                for h in page_hashes[start : start + KEYS_PER_PIPELINE]:
+                    pipe.exists(self.key(h))
+                for found in pipe.execute():
+                    if not found:
+                        return n
+                    n += 1
+        except redis.RedisError:
+            return n
+        return n
 
     def close(self) -> None:
         self.writer.close()

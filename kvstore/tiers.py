@@ -62,6 +62,14 @@ class HostTier:
             self.num_bytes += len(payload)
             self.counters.stored += 1
 
+    def count_prefix(self, hashes: list[bytes]) -> int:
+        """How many of the leading `hashes` are held here (no LRU touch; any thread)."""
+        n = 0
+        with self._lock:
+            while n < len(hashes) and hashes[n] in self._pages:
+                n += 1
+        return n
+
     def get_prefix(self, hashes: list[bytes]) -> list[bytes]:
         """Payloads of the leading `hashes` held here (stops at the first miss)."""
         out = []
@@ -147,6 +155,14 @@ class TieredStore:
         if self.redis is None or not self.redis.readable():
             return 0.0  # host memory only: at hand
         return self.redis.fetch_cost_s(num_pages)
+
+    def contains(self, page_hashes: list[bytes]) -> int:
+        """How many leading pages the host tier, then Redis, hold (a probe: nothing is loaded or
+        verified). Thread-safe: the host tier's lock, redis-py's connection pool."""
+        n = self.host.count_prefix(page_hashes)
+        if n < len(page_hashes) and self.redis is not None and self.redis.readable():
+            n += self.redis.count_prefix(page_hashes[n:])
+        return n
 
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         if self.redis is None:
