@@ -59,8 +59,8 @@ class KVConnector(Protocol):
         """Offer full, computed device pages for storage (must not block the step)."""
 
     def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
-        """These device pages, holding these hashes, were matched and are used again (must
-        not block the step)."""
+        """These device pages, named by these hashes in the pool, were matched and are used
+        again (must not block the step). Until `evict` names a page, it holds its hash's KV."""
 
     def evict(self, evicted: list[tuple[int, bytes]]) -> None:
         """(page, hash) pairs whose device memory is about to be reused."""

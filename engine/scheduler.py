@@ -24,8 +24,8 @@ in and named by their hash; the request then releases its pages (named pages sta
 in the pool's free list) and rejoins `waiting`, taking them back on admission. The deadline
 gives the lookup as long as fetching is expected to beat recomputing (the connector's
 measured cost against `recompute_s`), at most `lookup_timeout_s`; a remote tier is not even
-asked when recomputing is cheaper. Pages matched in the pool are `touch`ed (the connector
-keeps their copies alive). Pages that fill up are named by their hash once computed, and
+asked when recomputing is cheaper. Pages matched in the pool or restored into it are
+`touch`ed (the connector keeps their copies alive). Pages that fill up are named by their hash once computed, and
 offered to the connector.
 """
 
@@ -277,8 +277,13 @@ class Scheduler:
             fetch.load(pages)
             hashes = self._hashes[req]
             start = len(req.pages)
+            named_hashes, named_pages = [], []
             for i, page in enumerate(pages):
-                self.pool.register(page, hashes[start + i])
+                if self.pool.register(page, hashes[start + i]):
+                    named_hashes.append(hashes[start + i])
+                    named_pages.append(page)
+            if named_pages:  # restored pages are used again, like matched ones
+                self.connector.touch(named_hashes, named_pages)
             req.pages += pages
             req.num_computed = len(req.pages) * self.page_size
             self._named[req] = len(req.pages)

@@ -191,10 +191,13 @@ class RedisWriter:
                 if self._pending_items == 0:
                     self._idle.set()
 
-    def _execute(self, pipe: redis.client.Pipeline, num_bytes: int) -> list[object]:
+    def _execute(self, pipe: redis.client.Pipeline, num_bytes: int | None) -> list[object]:
+        """Run a pipeline; one that moved `num_bytes` of values is timed into the link estimate
+        (None: many small commands, whose cost is per command rather than per byte)."""
         t0 = time.monotonic()
         results: list[object] = pipe.execute(raise_on_error=False)
-        self.link.observe(num_bytes, time.monotonic() - t0)
+        if num_bytes is not None:
+            self.link.observe(num_bytes, time.monotonic() - t0)
         return results
 
     def _write(self, saves: list[_Save]) -> None:
@@ -236,7 +239,7 @@ class RedisWriter:
         for h in hashes:
             pipe.expire(self.key(h), self.ttl_s)
         try:
-            results = self._execute(pipe, 64 * len(hashes))
+            results = self._execute(pipe, None)
         except redis.RedisError as e:
             results = [e]
         errors = [r for r in results if isinstance(r, Exception)]
@@ -255,9 +258,10 @@ class RedisWriter:
             written = self.counters.written
             self._write([_Save(copy[0], copy[1], 0)])
             self.counters.rewritten += self.counters.written - written
-        else:
-            with self._lock:  # not written again: look again on the next use
-                for h in gone:
+        again = set(copy[0]) if copy is not None else set()
+        with self._lock:  # those not written again: look again on the next use
+            for h in gone:
+                if h not in again:
                     self._refreshed.pop(h, None)
 
     def flush(self, timeout_s: float = 10.0) -> bool:

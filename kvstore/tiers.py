@@ -5,8 +5,9 @@ host tier (its own byte budget, LRU); full pages computed by the engine are writ
 to Redis. A lookup takes the leading pages found in host memory at once, and asks Redis for
 the rest on a background thread; the engine admits the request when that completes.
 
-Pages used again (matched in device memory, restored from host memory or Redis) are
-`touch`ed: their Redis TTL is refreshed, and those Redis turned out not to have (expired,
+Pages used again (matched in the device pool by hash, or restored from host memory or Redis
+and named there by the scheduler) are `touch`ed: their Redis TTL
+is refreshed, and those Redis turned out not to have (expired,
 lost in an outage, never written while it was down) are written again from device memory.
 The writer thread copies such a page itself (`_copy_for_rewrite`); a page's memory is only
 reused after `evict` has named it, and `evict` takes the same lock, so the copy is never of
@@ -86,9 +87,8 @@ class HostTier:
 class _Fetch:
     """One lookup: host payloads at hand, Redis payloads (verified) arriving batch by batch."""
 
-    def __init__(self, store: TieredStore, hashes: list[bytes], host: list[bytes]):
+    def __init__(self, store: TieredStore, host: list[bytes]):
         self.store = store
-        self.hashes = hashes
         self.host = host
         self.remote: Future[None] | None = None
         self.arrived: list[bytes] = []  # appended by the lookup thread
@@ -113,7 +113,8 @@ class _Fetch:
             self.store.redis.counters.loaded += len(pages) - n_host
         data = self.store.codec.to_tensor(self.payloads[: len(pages)])
         self.store.kv_cache.write_pages(pages, data)
-        self.store.touch(self.hashes[: len(pages)], pages)
+        # Not touched here: the scheduler touches the pages it could name; one it could not name
+        # would be reused without `evict`, so its page number must not be kept.
 
 
 class TieredStore:
@@ -144,7 +145,7 @@ class TieredStore:
         if not page_hashes or (self.host.budget_bytes == 0 and (self.redis is None or not remote)):
             return None
         host = self.host.get_prefix(page_hashes)
-        fetch = _Fetch(self, page_hashes, host)
+        fetch = _Fetch(self, host)
         rest = page_hashes[len(host) :]
         if rest and remote and self.redis is not None and self._lookups is not None and self.redis.readable():
             fetch.remote = self._lookups.submit(self.redis.get_prefix, rest, fetch.arrived, fetch.cancel)
@@ -173,7 +174,8 @@ class TieredStore:
         self.redis.save(page_hashes, self.kv_cache.read_pages(pages))
 
     def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
-        """Device pages holding these hashes were used again: refresh their Redis TTL, and write
+        """Device pages named by these hashes in the pool (matched there, so `evict` will be
+        told before their memory is reused) were used again: refresh their Redis TTL, and write
         again those Redis was found to lack."""
         if self.redis is None or not page_hashes:
             return

@@ -127,3 +127,31 @@ def test_reads_are_batched_by_bytes() -> None:
         assert codec.to_tensor(out).equal(pages)
         assert admin.info("commandstats")["cmdstat_mget"]["calls"] == 3
         tier.close()
+
+
+def test_pages_restored_from_host_memory_are_written_again_when_redis_lost_them(
+    tiny: tuple[TinyModel, str], kv_redis: tuple[str, str]
+) -> None:
+    url, prefix = kv_redis
+    r = redis.Redis.from_url(url)
+    a, b = _prompt(tiny, 70, seed=15), _prompt(tiny, 100, seed=16)
+    pb = page_bytes(tiny[0].config)
+    e = Engine(
+        tiny[0].model, None,
+        EngineConfig(kv_cache_bytes=8 * pb, host_cache_bytes=64 * pb, kv_redis_url=url, kv_redis_prefix=prefix,
+                     kv_redis_ttl=3),
+        fingerprint=tiny[1],
+    )  # fmt: skip
+    assert e.store is not None and e.store.redis is not None
+    first_logits(e, a)
+    assert e.store.redis.flush(10)
+    keys = _keys(e, a)
+    assert r.delete(*keys) == 4  # Redis lost the conversation (a restart without persistence)
+    first_logits(e, b)  # takes 7 of 8 device pages: a's pages go to the host tier
+    assert e.store.host.counters.stored >= 3
+    time.sleep(1.1)  # past the refresh interval
+    _, cached, _ = first_logits(e, a)
+    assert cached == 64 and e.store.host.counters.hits >= 3
+    assert e.store.redis.flush(10)
+    assert r.exists(*keys) == 4 and e.store.redis.counters.rewritten == 4
+    e.shutdown()
