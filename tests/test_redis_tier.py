@@ -165,19 +165,13 @@ def test_write_behind_does_not_wait_for_a_paused_redis(tiny: tuple[TinyModel, st
         e.shutdown()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the writer drops a pipeline that outlives its socket timeout instead of landing it later "
-    "(the Redis tier's write health, issue 10 item 8); remove this mark with that fix",
-)
 def test_write_behind_lands_every_page_after_a_pause_longer_than_its_timeout(tiny: tuple[TinyModel, str]) -> None:
     prompt = _prompt(tiny, 90, seed=6)
     with private_redis() as url:
         admin = redis.Redis.from_url(url)
         e = _engine(tiny, url, "kv")
         assert e.store is not None and e.store.redis is not None
-        timeout = float(e.store.redis._writer.get_connection_kwargs()["socket_timeout"])
+        timeout = float(e.store.redis.writer.client.get_connection_kwargs()["socket_timeout"])
         pause = timeout + 2  # the writer's pipeline must outlive its socket timeout
         admin.execute_command("CLIENT", "PAUSE", str(int(pause * 1000)), "WRITE")
         t0 = time.monotonic()
