@@ -11,13 +11,13 @@ chunk decides whether it opens a call.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, auto
 from typing import NamedTuple
 
+from tools.call_object import CallObject, Scan
 from tools.formats import ToolCallFormat
 from tools.schema import ArgumentsInvalid, ToolSpec, validate_arguments
 
@@ -61,27 +61,12 @@ class _S(Enum):
     AFTER = auto()  # after a call object: the end marker, or "," / "]" in an array
 
 
-class _P(Enum):  # where the object scanner is at depth 1
-    KEY, COLON, VALUE = auto(), auto(), auto()
-
-
 @dataclass(slots=True)
 class _Call:
-    """A call being scanned: a JSON object, tracked by depth and string state."""
+    """A call being read: its id, its object scanner, and whether `CallStarted` went out."""
 
     id: str
-    raw: list[str] = field(default_factory=list)
-    depth: int = 0
-    in_str: bool = False
-    esc: bool = False
-    phase: _P = _P.KEY
-    key: str | None = None
-    mark: int = 0  # raw index where the current key or value began
-    value_started: bool = False
-    name: str | None = None
-    args: list[str] = field(default_factory=list)
-    held_ws: str = ""  # whitespace after the arguments value: kept only if the value goes on
-    pending: list[str] = field(default_factory=list)  # argument text seen before the name
+    obj: CallObject
     started: bool = False
 
 
@@ -119,7 +104,7 @@ class ToolCallParser:
         if call is not None and call.started:
             self._done(call, "the reply ended inside the call")
         elif call is not None or self._state is _S.OPEN:
-            self._bail("")
+            self._bail()
         self._text.append(self._held)  # a marker prefix (TEXT) or a partial end marker (AFTER)
         self._held, self._state = "", _S.TEXT
         return self._drain()
@@ -159,7 +144,7 @@ class ToolCallParser:
             if self._held == fmt.start:
                 self._held, self._state = "", _S.OPEN
                 if fmt.start_in_body:
-                    self._call = _Call(self._new_id())
+                    self._call = _Call(self._new_id(), CallObject(fmt.args_key))
                     self._state = _S.OBJECT
                     for m in fmt.start:
                         self._object_char(m)
@@ -170,12 +155,13 @@ class ToolCallParser:
             if fmt.array and c == "[" and "[" not in self._held[:-1]:
                 return
             if c == "{" and (not fmt.array or "[" in self._held):
-                self._call, self._held, self._state = _Call(self._new_id()), "", _S.OBJECT
+                self._call, self._held = _Call(self._new_id(), CallObject(fmt.args_key)), ""
+                self._state = _S.OBJECT
                 self._object_char(c)
             elif fmt.array and c == "]" and "[" in self._held:
                 self._held, self._state = "", _S.TEXT
             else:
-                self._bail(self._held)
+                self._bail()
         elif self._state is _S.OBJECT:
             self._object_char(c)
         else:
@@ -205,90 +191,24 @@ class ToolCallParser:
     def _object_char(self, c: str) -> None:
         call = self._call
         assert call is not None
-        call.raw.append(c)
-        in_args = call.phase is _P.VALUE and call.key == self.fmt.args_key and call.depth >= 1
-        if call.in_str:
-            if call.esc:
-                call.esc = False
-            elif c == "\\":
-                call.esc = True
-            elif c == '"':
-                call.in_str = False
-                if call.depth == 1:
-                    self._string_closed(call)
-            if in_args:
-                self._args(call, c)
-            return
-        if c.isspace():
-            if in_args and call.value_started:
-                if call.depth >= 2:
-                    self._args(call, c)
-                else:
-                    call.held_ws += c
-            return
-        if call.depth == 0:
-            if c != "{":
-                return self._bail(c)
-            call.depth, call.phase = 1, _P.KEY
-        elif call.depth >= 2:
-            call.in_str = c == '"'
-            call.depth += 1 if c in "{[" else -1 if c in "}]" else 0
-            if in_args:
-                self._args(call, c)
-        elif call.phase is _P.KEY:
-            if c == '"':
-                call.in_str, call.mark = True, len(call.raw) - 1
-            elif c == "}":
-                self._close(call)
-            elif c != ",":
-                self._bail(c)
-        elif call.phase is _P.COLON:
-            if c != ":":
-                return self._bail(c)
-            call.phase, call.value_started = _P.VALUE, False
-        elif c in ",}" and call.value_started:
-            call.held_ws = ""
-            call.phase, call.key = _P.KEY, None
-            if c == "}":
-                self._close(call)
-        else:
-            if not call.value_started:
-                call.value_started, call.mark = True, len(call.raw) - 1
-            call.in_str = c == '"'
-            call.depth += 1 if c in "{[" else 0
-            if in_args:
-                self._args(call, call.held_ws + c)
-                call.held_ws = ""
-
-    def _string_closed(self, call: _Call) -> None:
-        text = "".join(call.raw[call.mark :])
-        if call.phase is _P.KEY:
-            call.key, call.phase = json.loads(text), _P.COLON
-        elif call.key == "name" and call.name is None:
-            call.name = str(json.loads(text))
-            self._start(call)
-
-    def _start(self, call: _Call) -> None:
-        assert call.name is not None
-        call.started = True
-        self._emit(CallStarted(self._index, call.id, call.name))
-        if call.pending:
-            self._emit(ArgumentsDelta(self._index, "".join(call.pending)))
-            call.pending.clear()
-
-    def _args(self, call: _Call, text: str) -> None:
-        call.args.append(text)
-        if call.started:
-            self._emit(ArgumentsDelta(self._index, text))
-        else:
-            call.pending.append(text)
+        scan = call.obj.push(c)
+        if not call.started and call.obj.name is not None:
+            call.started = True
+            self._emit(CallStarted(self._index, call.id, call.obj.name))
+        if call.started and (delta := call.obj.take_args()):
+            self._emit(ArgumentsDelta(self._index, delta))
+        if scan is Scan.CLOSED:
+            self._close(call)
+        elif scan is Scan.BAD:
+            self._bail()
 
     def _close(self, call: _Call) -> None:
-        if call.name is None:
-            return self._bail("")
-        if not call.args:
-            self._args(call, "{}")
-        self._done(call, self._check(call.name, "".join(call.args)))
+        if call.obj.name is None:
+            return self._bail()
+        if not call.obj.args:
+            call.obj.args.append("{}")
+            self._emit(ArgumentsDelta(self._index, call.obj.take_args()))
+        self._done(call, self._check(call.obj.name, call.obj.arguments))
         self._state = _S.AFTER if self.fmt.end or self.fmt.array else _S.TEXT
 
     def _check(self, name: str, arguments: str) -> str | None:
@@ -304,17 +224,17 @@ class ToolCallParser:
         return None
 
     def _done(self, call: _Call, error: str | None) -> None:
-        self._emit(CallDone(self._index, call.id, call.name or "", "".join(call.args), error))
+        self._emit(CallDone(self._index, call.id, call.obj.name or "", call.obj.arguments, error))
         self._index += 1
         self._call = None
 
-    def _bail(self, _c: str) -> None:
+    def _bail(self) -> None:
         """Text that opened like a call but is not one: a started call fails; otherwise it is text."""
         call = self._call
         if call is not None and call.started:
             self._done(call, "malformed tool call")
         else:
             lead = "" if self.fmt.start_in_body and call is not None else self.fmt.start
-            self._text.append(lead + (self._held if call is None else "".join(call.raw)))
+            self._text.append(lead + (self._held if call is None else "".join(call.obj.raw)))
             self._call = None
         self._held, self._state = "", _S.TEXT
