@@ -99,7 +99,7 @@ def test_several_calls_one_chunk_and_token_by_token(demo_gguf: Path) -> None:
     assert "".join(tokens) == reply and len(tokens) > 20
     text, calls = summary(parse(HERMES, tokens))
     assert (text, calls) == summary(parse(HERMES, [reply]))
-    assert text == "Let me check.\n\n"
+    assert text == "Let me check.", "whitespace next to calls is no text"
     assert [c[:3] for c in calls] == [
         ("call_0", "get_weather", '{"city": "Paris"}'),
         ("call_1", "add", '{"a": 1, "b": "x"}'),
@@ -115,6 +115,72 @@ def test_unfinished_and_malformed_calls() -> None:
     assert (text, calls) == ("<tool_call> not json then text", [])
     text, calls = summary(parse(HERMES, ["a <tool_c"]))
     assert (text, calls) == ("a <tool_c", [])
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_calls_alone_give_no_text_event(fmt: ToolCallFormat) -> None:
+    calls = [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2}')]
+    body = render(fmt, list(calls))
+    for reply in [body, f"\n\n{body}\n", f" \n{body} \n\n"]:
+        for chunks in ([reply], list(reply)):
+            events = parse(fmt, chunks)
+            assert not [e for e in events if isinstance(e, TextDelta)], (reply, events)
+            assert [(name, args) for _, name, args, _ in summary(events)[1]] == calls
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_whitespace_before_text_is_kept(fmt: ToolCallFormat) -> None:
+    reply = "Let me check.\n\n" + fmt.render_call("add", '{"a": 1, "b": 2}') + "\nDone. \n"
+    for chunks in ([reply], list(reply)):
+        text, calls = summary(parse(fmt, chunks))
+        assert len(calls) == 1
+        assert text == "Let me check.\nDone. \n"
+    assert summary(parse(fmt, [" Hi,\n\nthere \n"])) == (" Hi,\n\nthere \n", []), "no call: text unchanged"
+
+
+_lookalike = st.lists(
+    st.sampled_from(
+        [*'ab {}[]",:\n\\', "<tool_call>", "</tool_call>", '{"name": ', "[TOOL_CALLS]", '"name"', '"add"', '"x\ny"']
+    ),
+    max_size=14,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_lookalike, cut=st.integers(0, 200))
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_text_that_only_looks_like_a_call_comes_back_unchanged(fmt: ToolCallFormat, text: str, cut: int) -> None:
+    cut %= len(text) + 1
+    results = [summary(parse(fmt, chunks)) for chunks in ([text], list(text), [text[:cut], text[cut:]])]
+    assert results[1:] == results[:1] * 2
+    if not results[0][1]:
+        assert results[0][0] == text
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text"),
+    [
+        (HERMES, '<tool_call>\n{"city": "Paris"}\n</tool_call>'),  # no name
+        (HERMES, "<tool_call>\n\n[1, 2]"),
+        (HERMES, '<tool_call>\n{"name": 5}'),
+        (LLAMA3, '{"name": }"arguments"'),  # junk before a string value
+        (LLAMA3, '{"name": "a\nb"}'),  # a raw newline is no JSON string
+        (MISTRAL, "[TOOL_CALLS][]"),
+        (MISTRAL, "[TOOL_CALLS] [ x"),
+    ],
+)
+def test_lookalikes_are_text_byte_for_byte(fmt: ToolCallFormat, text: str) -> None:
+    for chunks in ([text], list(text)):
+        assert summary(parse(fmt, chunks)) == (text, [])
+
+
+def test_a_real_call_inside_a_lookalike_is_found() -> None:
+    call = HERMES.render_call("add", '{"a": 1, "b": 2}')
+    text, calls = summary(parse(HERMES, list("<tool_call> oops " + call)))
+    assert text == "<tool_call> oops" and [c[1:3] for c in calls] == [("add", '{"a": 1, "b": 2}')]
+    after = MISTRAL.render_call("add", '{"a": 1, "b": 2}')[:-1] + ", nope]"
+    text, calls = summary(parse(MISTRAL, [after]))
+    assert text == ", nope]" and len(calls) == 1
 
 
 def test_format_detection_and_override(demo_gguf: Path) -> None:

@@ -69,8 +69,8 @@ class CallObject:
                 self._esc = True
             elif c == '"':
                 self._in_str = False
-                if self._depth == 1:
-                    self._string_closed()
+                if self._depth == 1 and not self._string_closed():
+                    return Scan.BAD
             if in_args:
                 self.args.append(c)
             return Scan.MORE
@@ -116,9 +116,16 @@ class CallObject:
                 self._held_ws = ""
         return Scan.MORE
 
-    def _string_closed(self) -> None:
-        text = "".join(self.raw[self._mark :])
+    def _string_closed(self) -> bool:
+        """A key or a value string ended at depth 1; False when it is not a JSON string."""
+        try:
+            value = json.loads("".join(self.raw[self._mark :]))
+        except json.JSONDecodeError:  # a raw control character, a bad escape, or junk before the quote
+            return False
         if self._phase is _P.KEY:
-            self._key, self._phase = json.loads(text), _P.COLON
+            self._key, self._phase = value, _P.COLON
         elif self._key == "name" and self.name is None:
-            self.name = str(json.loads(text))
+            if not isinstance(value, str):
+                return False
+            self.name = value
+        return True

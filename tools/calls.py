@@ -7,11 +7,20 @@ whether it arrives a character, a token or several calls at a time. Arguments ar
 raw JSON text of the call's arguments value, so the concatenated deltas equal `CallDone.arguments`
 exactly (no re-serialisation). A marker prefix at the end of a chunk is held back until the next
 chunk decides whether it opens a call.
+
+Two rules for the text around calls. Text that only looked like a call (a marker, then something
+no call starts with) comes back as text byte for byte: the attempt's first character is text and
+the rest is read again, so a real call later in it is still found. Whitespace is held until
+non-whitespace text follows; whitespace adjacent to a call (before it, or between it and the next
+call or the end of the reply) is dropped, as is what the reply ends with inside a call's end
+marker, so a reply of calls alone gives no text event at all, while a reply without calls comes
+back unchanged.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -86,30 +95,53 @@ class ToolCallParser:
         self.tools = {t.name: t for t in tools} if tools is not None else None
         self._new_id = new_id
         self._state = _S.TEXT
-        self._held = ""  # TEXT: a possible marker prefix; OPEN/AFTER: the marker text so far
+        self._held = ""  # TEXT: a possible marker prefix; OPEN: the text since the marker; AFTER: since the call
+        self._attempt: list[str] = []  # OPEN/OBJECT: everything read since the marker (or an array's ",")
         self._call: _Call | None = None
         self._index = 0
+        self._queue: deque[str] = deque()  # characters to read: the chunk, after any text to read again
         self._out: list[Event] = []
         self._text: list[str] = []
+        self._ws = ""  # whitespace not yet known to be text (see the module docstring)
+        self._after_call = False  # a call has ended and no text has come since
 
     def feed(self, chunk: str) -> list[Event]:
         """Consumes a chunk; returns the events it completes (text deltas merged per chunk)."""
-        for c in chunk:
-            self._char(c)
+        self._queue.extend(chunk)
+        self._run()
         return self._drain()
 
     def finish(self) -> list[Event]:
         """End of the reply: held text is released; a call left open is reported as failed."""
-        call = self._call
-        if call is not None and call.started:
-            self._done(call, "the reply ended inside the call")
-        elif call is not None or self._state is _S.OPEN:
-            self._bail()
-        self._text.append(self._held)  # a marker prefix (TEXT) or a partial end marker (AFTER)
-        self._held, self._state = "", _S.TEXT
+        while self._state in (_S.OPEN, _S.OBJECT):
+            if self._call is not None and self._call.started:
+                self._done(self._call, "the reply ended inside the call")
+                self._state = _S.TEXT
+            else:
+                self._bail()
+                self._run()
+        if self._state is _S.TEXT:  # a marker prefix is text; after a call, an unfinished end marker is not
+            self._add_text(self._held)
+        self._held = ""
+        if not self._after_call:
+            self._text.append(self._ws)
+        self._ws, self._state = "", _S.TEXT
         return self._drain()
 
     # ---- internals ----
+
+    def _run(self) -> None:
+        while self._queue:
+            self._char(self._queue.popleft())
+
+    def _add_text(self, text: str) -> None:
+        """Text of the reply; its trailing whitespace is held until it is known not to touch a call."""
+        body = text.rstrip()
+        if not body:
+            self._ws += text
+            return
+        self._text.append(self._ws + body)
+        self._ws, self._after_call = text[len(body) :], False
 
     def _flush_text(self) -> None:
         text = "".join(self._text)
@@ -123,6 +155,8 @@ class ToolCallParser:
         return out
 
     def _emit(self, event: Event) -> None:
+        if isinstance(event, CallStarted):
+            self._ws = ""  # whitespace before a call is no text
         self._flush_text()  # keep text and calls in order
         last = self._out[-1] if self._out else None
         if (
@@ -139,54 +173,60 @@ class ToolCallParser:
         if self._state is _S.TEXT:
             self._held += c
             while self._held and not fmt.start.startswith(self._held):
-                self._text.append(self._held[0])
+                self._add_text(self._held[0])
                 self._held = self._held[1:]
             if self._held == fmt.start:
-                self._held, self._state = "", _S.OPEN
+                self._attempt, self._held, self._state = list(fmt.start), "", _S.OPEN
                 if fmt.start_in_body:
-                    self._call = _Call(self._new_id(), CallObject(fmt.args_key))
-                    self._state = _S.OBJECT
-                    for m in fmt.start:
-                        self._object_char(m)
+                    self._open_call(fmt.start)
         elif self._state is _S.OPEN:
+            self._attempt.append(c)
             self._held += c
             if c.isspace():
                 return
             if fmt.array and c == "[" and "[" not in self._held[:-1]:
                 return
             if c == "{" and (not fmt.array or "[" in self._held):
-                self._call, self._held = _Call(self._new_id(), CallObject(fmt.args_key)), ""
-                self._state = _S.OBJECT
-                self._object_char(c)
-            elif fmt.array and c == "]" and "[" in self._held:
-                self._held, self._state = "", _S.TEXT
+                self._open_call(c)
             else:
                 self._bail()
         elif self._state is _S.OBJECT:
+            if self._call is not None and not self._call.started:
+                self._attempt.append(c)
             self._object_char(c)
+        elif fmt.array:
+            self._after_array(c)
         else:
-            self._after_char(c)
+            self._after_end(c)
 
-    def _after_char(self, c: str) -> None:
-        fmt = self.fmt
-        if fmt.array:
-            if c.isspace():
-                return
-            if c == ",":
-                self._state = _S.OPEN
-                self._held = "["
-            else:  # "]" closes the list; anything else is text after it
-                self._text.append("" if c == "]" else c)
-                self._state = _S.TEXT
-            return
-        if not self._held and c.isspace():
-            return
+    def _open_call(self, text: str) -> None:
+        self._call, self._held, self._state = _Call(self._new_id(), CallObject(self.fmt.args_key)), "", _S.OBJECT
+        for c in text:
+            self._object_char(c)
+
+    def _after_end(self, c: str) -> None:
+        """After a call: whitespace, then the end marker if the format has one; anything else is read again."""
         self._held += c
-        if self._held == fmt.end:
+        body = self._held.lstrip()
+        if body == self.fmt.end:
             self._held, self._state = "", _S.TEXT
-        elif not fmt.end.startswith(self._held):
-            self._text.append(self._held)
+        elif not self.fmt.end.startswith(body):
+            self._read_again(self._held)
+
+    def _after_array(self, c: str) -> None:
+        """After a call in an array: "," opens the next, "]" ends the list; anything else is read again."""
+        if c == ",":
+            self._attempt, self._held, self._state = [*self._held, c], "[", _S.OPEN
+        elif c == "]":
             self._held, self._state = "", _S.TEXT
+        elif c.isspace():
+            self._held += c
+        else:
+            self._read_again(self._held + c)
+
+    def _read_again(self, text: str) -> None:
+        self._held, self._state = "", _S.TEXT
+        self._queue.extendleft(reversed(text))
 
     def _object_char(self, c: str) -> None:
         call = self._call
@@ -226,15 +266,16 @@ class ToolCallParser:
     def _done(self, call: _Call, error: str | None) -> None:
         self._emit(CallDone(self._index, call.id, call.obj.name or "", call.obj.arguments, error))
         self._index += 1
-        self._call = None
+        self._call, self._attempt, self._after_call = None, [], True
 
     def _bail(self) -> None:
-        """Text that opened like a call but is not one: a started call fails; otherwise it is text."""
+        """What opened like a call is not one. A started call fails; otherwise the attempt's first
+        character is text and the rest is read again (it may hold text, or a real call)."""
         call = self._call
         if call is not None and call.started:
             self._done(call, "malformed tool call")
-        else:
-            lead = "" if self.fmt.start_in_body and call is not None else self.fmt.start
-            self._text.append(lead + (self._held if call is None else "".join(call.obj.raw)))
-            self._call = None
-        self._held, self._state = "", _S.TEXT
+            self._held, self._state = "", _S.TEXT
+            return
+        attempt, self._attempt, self._call = self._attempt, [], None
+        self._add_text(attempt[0])
+        self._read_again("".join(attempt[1:]))
