@@ -111,7 +111,7 @@ def test_schema_the_grammar_cannot_express_names_the_tool(gc: GrammarCompiler) -
     tools = parse_tools([_tool("ok", CITY), _tool("count", huge)])
     with pytest.raises(InvalidSchema) as e:
         gc.check_tools(tools)
-    assert e.value.where == "tool 'count' parameters"
+    assert e.value.where == "tool 'count' parameters" and e.value.param == "tools[1].function.parameters"
     assert "Integer exceeds" in e.value.reason and "/project/" not in e.value.reason
 
 

@@ -18,6 +18,7 @@ import xgrammar as xgr
 from xgrammar import structural_tag as st
 
 from engine.loading.tokenizer import Tokenizer
+from tools.constraints import parse_tool_choice
 from tools.schema import ToolSpec
 
 
@@ -84,57 +85,52 @@ def detect_format(tokenizer: Tokenizer) -> ToolCallFormat:
     return HERMES
 
 
-def tool_choice_name(tool_choice: Any) -> str | None:
-    """The forced function's name for `{"type": "function", "function": {"name": ...}}`, else None."""
-    if isinstance(tool_choice, dict):
-        fn = tool_choice.get("function")
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            return fn["name"]
-        raise ValueError(
-            f"tool_choice: expected {{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice}"
-        )
-    if tool_choice not in ("none", "auto", "required"):
-        raise ValueError(f"tool_choice: expected none, auto, required or a named function, got {tool_choice!r}")
-    return None
-
-
 def structural_tag(
-    fmt: ToolCallFormat, tools: list[ToolSpec], tool_choice: Any = "auto", parallel_tool_calls: bool = True
+    fmt: ToolCallFormat,
+    tools: list[ToolSpec],
+    tool_choice: Any = "auto",
+    parallel_tool_calls: bool = True,
+    text: st.Format | None = None,
 ) -> st.StructuralTag:
-    """The structural tag constraining a reply under `tool_choice`.
+    """The structural tag constraining a reply under `tool_choice` (either API's shape, or a `ToolChoice`).
 
     none: any text that never contains the call marker. auto: free text until the marker, then a
     declared function's call. required: only calls, at least one. named: exactly one call of that
-    function. `parallel_tool_calls=False`: the reply ends after the first call.
+    function. `parallel_tool_calls=False`: the reply ends after the first call. `text`, when given,
+    is what the reply must be if it calls nothing (a JSON format): under auto the reply is then
+    either that text or calls alone, under none that text.
+
+    Raises:
+        InvalidToolChoice: see `tools.constraints.parse_tool_choice`.
     """
-    forced = tool_choice_name(tool_choice)
-    if forced is not None:
-        if forced not in {t.name for t in tools}:
-            raise ValueError(f"tool_choice: function {forced!r} is not among the declared tools")
-        tools = [t for t in tools if t.name == forced]
-    if tool_choice == "none" or not tools:
-        return st.StructuralTag(format=st.AnyTextFormat(excludes=[fmt.start]))
-    tags = [_call_tag(fmt, t) for t in tools]
-    single = forced is not None or not parallel_tool_calls
+    choice = parse_tool_choice(tool_choice, tools)
+    allowed = choice.allowed(tools)
+    if not allowed:
+        return st.StructuralTag(format=text or st.AnyTextFormat(excludes=[fmt.start]))
+    tags = [_call_tag(fmt, t) for t in allowed]
+    single = choice.single or not parallel_tool_calls
+    calls: st.Format
     if fmt.array:
-        calls = st.TagsWithSeparatorFormat(tags=tags, separator=", ", at_least_one=True, stop_after_first=single)
-        block = st.TagFormat(begin=f"{fmt.start}[", content=calls, end="]")
-        if tool_choice == "auto":
-            trig = st.TriggeredTagsFormat(triggers=[fmt.start], tags=[block], stop_after_first=True)
-            return st.StructuralTag(format=trig)
-        return st.StructuralTag(format=block)
-    if tool_choice == "auto" and fmt.xgr_model is not None:
+        listed = st.TagsWithSeparatorFormat(tags=tags, separator=", ", at_least_one=True, stop_after_first=single)
+        calls = st.TagFormat(begin=f"{fmt.start}[", content=listed, end="]")
+    else:
+        sep = "\n" if fmt.end else ", "
+        calls = st.TagsWithSeparatorFormat(tags=tags, separator=sep, at_least_one=True, stop_after_first=single)
+    if choice.mode == "required":
+        return st.StructuralTag(format=calls)
+    if text is not None:
+        return st.StructuralTag(format=st.OrFormat(elements=[text, calls]))
+    if fmt.array:
+        assert isinstance(calls, st.TagFormat)
+        return st.StructuralTag(
+            format=st.TriggeredTagsFormat(triggers=[fmt.start], tags=[calls], stop_after_first=True)
+        )
+    if fmt.xgr_model is not None:
         return xgr.get_builtin_structural_tag(
-            fmt.xgr_model, tools=[t.openai() for t in tools], tool_choice="auto", reasoning=False,
+            fmt.xgr_model, tools=[t.openai() for t in allowed], tool_choice="auto", reasoning=False,
             parallel_tool_calls=parallel_tool_calls, max_whitespace_cnt=MAX_WHITESPACE,
         )  # fmt: skip
-    if tool_choice == "auto":
-        trig = st.TriggeredTagsFormat(triggers=[fmt.start], tags=tags, stop_after_first=single)
-        return st.StructuralTag(format=trig)
-    sep = "\n" if fmt.end else ", "
-    return st.StructuralTag(
-        format=st.TagsWithSeparatorFormat(tags=tags, separator=sep, at_least_one=True, stop_after_first=single)
-    )
+    return st.StructuralTag(format=st.TriggeredTagsFormat(triggers=[fmt.start], tags=tags, stop_after_first=single))
 
 
 def _call_tag(fmt: ToolCallFormat, tool: ToolSpec) -> st.TagFormat:
