@@ -42,8 +42,9 @@ class StructuredRun:
     @classmethod
     def from_args(cls, args: argparse.Namespace, tok: Tokenizer, vocab_size: int) -> StructuredRun:
         from tools.calls import ToolCallParser
-        from tools.formats import detect_format, render_prompt, resolve_format
+        from tools.formats import detect_format, resolve_format
         from tools.grammar import GrammarCompiler
+        from tools.prompt import render_prompt
         from tools.schema import parse_tools
 
         compiler = GrammarCompiler(tok, vocab_size)

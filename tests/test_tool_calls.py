@@ -1,5 +1,5 @@
-"""Tool calls: the streaming parser (whatever the chunking), format detection, Hermes rendering
-for templates that ignore tools, and the demo model calling declared tools under a grammar."""
+"""Tool calls: the streaming parser (whatever the chunking), format detection, and the demo model
+calling declared tools under a grammar."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from tests.structured_demo import compiler, demo_bf16, engine
 from tools.calls import ArgumentsDelta, CallDone, CallStarted, Event, TextDelta, ToolCallParser
-from tools.formats import FORMATS, HERMES, LLAMA3, MISTRAL, ToolCallFormat, detect_format, render_prompt, resolve_format
+from tools.formats import FORMATS, HERMES, LLAMA3, MISTRAL, ToolCallFormat, detect_format, resolve_format
+from tools.prompt import render_prompt
 from tools.schema import parse_tools
 
 TOOLS = parse_tools(
@@ -189,30 +190,6 @@ def test_format_detection_and_override(demo_gguf: Path) -> None:
     assert resolve_format("mistral") is MISTRAL and resolve_format("LLAMA3") is LLAMA3 and set(FORMATS) >= {"hermes"}
     with pytest.raises(ValueError, match="unknown tool-call format 'xml'"):
         resolve_format("xml")
-
-
-def test_hermes_rendering_keeps_the_whole_conversation(demo_gguf: Path) -> None:
-    tok = compiler(str(demo_gguf)).tokenizer
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"},
-        {"role": "assistant", "content": "It is 18C and sunny."},
-        {"role": "user", "content": "Thanks!"},
-    ]  # fmt: skip
-    text = tok.decode(render_prompt(tok, messages, TOOLS), skip_special_tokens=False)
-    for needle in [
-        "<|im_start|>system\nBe brief.\n\n# Tools",
-        json.dumps(TOOLS[1].openai()),
-        'assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
-        "<|im_start|>tool\n<tool_response>\n18C, sunny\n</tool_response><|im_end|>",
-        "It is 18C and sunny.",
-        "<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n",
-    ]:
-        assert needle in text
 
 
 def test_demo_model_calls_declared_tools(demo_gguf: Path) -> None:

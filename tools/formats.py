@@ -1,4 +1,4 @@
-"""Tool-call formats: how a model family writes a call, which grammar constrains it, how prompts show tools.
+"""Tool-call formats: how a model family writes a call, and which grammar constrains it.
 
 The format is chosen from the chat template (`detect_format`), or by the operator
 (`--tool-call-format`, through `resolve_format`). Grammars come from xgrammar's built-in structural
@@ -76,7 +76,7 @@ def resolve_format(name: str) -> ToolCallFormat:
 
 def detect_format(tokenizer: Tokenizer) -> ToolCallFormat:
     """The format the model's chat template teaches; Hermes when the template never renders tools,
-    because then `render_messages` writes the Hermes instructions into the prompt itself."""
+    because then `tools.prompt.render_prompt` writes the Hermes instructions into the prompt itself."""
     template = tokenizer.chat_template
     if "[TOOL_CALLS]" in template:
         return MISTRAL
@@ -137,68 +137,3 @@ def _call_tag(fmt: ToolCallFormat, tool: ToolSpec) -> st.TagFormat:
     """One call of `tool`: fixed text around arguments constrained by its parameters' schema."""
     args = st.JSONSchemaFormat(json_schema=tool.parameters, max_whitespace_cnt=MAX_WHITESPACE)
     return st.TagFormat(begin=fmt.call_begin(tool.name), content=args, end=fmt.call_end())
-
-
-_HERMES_SYSTEM = """# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{tools}
-</tools>
-
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
-
-
-def _text(content: Any) -> str:
-    """A message's content as text: strings as they are, content parts joined, None as ""."""
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    return str(content)
-
-
-def hermes_messages(messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[dict[str, Any]]:
-    """Rewrites an OpenAI conversation for a template that only renders `role` and `content`.
-
-    Tool signatures join the system message (one is added when there is none), an assistant's
-    `tool_calls` become `<tool_call>` blocks after its text, and tool results stay `tool` turns
-    wrapped in `<tool_response>`. Every message is kept, so nothing of the conversation is dropped.
-    """
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        role, text = m.get("role", "user"), _text(m.get("content"))
-        if role == "assistant" and m.get("tool_calls"):
-            blocks = []
-            for call in m["tool_calls"]:
-                fn = call.get("function", call)
-                args = fn.get("arguments", "{}")
-                args = args if isinstance(args, str) else json.dumps(args)
-                blocks.append(HERMES.render_call(str(fn.get("name", "")), args))
-            text = "\n".join(([text] if text else []) + blocks)
-        elif role == "tool":
-            text = f"<tool_response>\n{text}\n</tool_response>"
-        out.append({"role": role, "content": text})
-    if tools:
-        system = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(t.openai()) for t in tools))
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{system}".lstrip()}
-        else:
-            out.insert(0, {"role": "system", "content": system})
-    return out
-
-
-def render_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[int]:
-    """Prompt token ids for a conversation with tools.
-
-    A template that renders `tools` itself is used as it is; otherwise (the demo model's plain
-    ChatML) the conversation is rewritten Hermes style first; `detect_format` then says Hermes.
-    """
-    if tokenizer.renders_tools:
-        return tokenizer.apply_chat_template(messages, tools=[t.openai() for t in tools] or None)
-    return tokenizer.apply_chat_template(hermes_messages(messages, tools))
