@@ -13,7 +13,7 @@ import torch
 from engine.grammar import new_bitmask
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
-from tests.structured_demo import SCHEMAS, compiler, demo_bf16, engine, json_prompt
+from tests.structured_demo import SCHEMAS, compiler, demo_bf16, engine, json_prompt, with_special_marker
 from tools.constraints import parse_output_format
 from tools.formats import HERMES, LLAMA3, MISTRAL, ToolCallFormat
 from tools.grammar import DEAD_END, ENDED, GrammarCompiler, XGrammarHook, XGrammarMatcher, check_dead_ends
@@ -190,6 +190,20 @@ def test_responses_shapes_constrain_like_chat_ones(gc: GrammarCompiler) -> None:
     m = gc.for_request(None, flat, allowed)
     assert _accepts(gc, m, HERMES.render_call("get_weather", WEATHER)) and not _accepts(gc, m, "Hi")
     assert not _accepts(gc, m, HERMES.render_call("add", ADD))
+
+
+def test_special_token_marker_is_allowed(demo_gguf: Path) -> None:
+    """With `[TOOL_CALLS]` a special token (as in Mistral's tokenizer), the model may write it as that token."""
+    tok = with_special_marker(demo_gguf)
+    marker = tok.hf.convert_tokens_to_ids("[TOOL_CALLS]")
+    wide = GrammarCompiler(tok, vocab_size=len(tok.hf))
+    for choice in ("auto", "required"):
+        m = wide.matcher(wide.tool_calls(MISTRAL, TOOLS, choice))
+        bm = new_bitmask(1, len(tok.hf))
+        m.fill_bitmask(bm, 0)
+        assert (int(bm[0, marker // 32]) >> (marker % 32)) & 1, choice
+        assert m.accept_token(marker) and m.accept_string('[{"name": "add", "arguments": {"a": 1, "b": 2}}]')
+        assert m.accept_token(tok.eos_token_ids[0]) and m.is_terminated()
 
 
 def test_rollback_restores_exact_state(gc: GrammarCompiler) -> None:

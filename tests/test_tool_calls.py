@@ -12,11 +12,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
-from tests.structured_demo import compiler, demo_bf16, engine
+from tests.structured_demo import compiler, demo_bf16, engine, with_special_marker
 from tools.calls import ArgumentsDelta, CallDone, CallStarted, Event, TextDelta, ToolCallParser
-from tools.formats import FORMATS, HERMES, LLAMA3, MISTRAL, ToolCallFormat, detect_format, resolve_format
+from tools.formats import (
+    FORMATS,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    ToolCallFormat,
+    detect_format,
+    needs_special_tokens,
+    resolve_format,
+)
 from tools.prompt import render_prompt
 from tools.schema import parse_tools
 
@@ -190,6 +200,22 @@ def test_format_detection_and_override(demo_gguf: Path) -> None:
     assert resolve_format("mistral") is MISTRAL and resolve_format("LLAMA3") is LLAMA3 and set(FORMATS) >= {"hermes"}
     with pytest.raises(ValueError, match="unknown tool-call format 'xml'"):
         resolve_format("xml")
+
+
+def test_special_token_marker_reaches_the_parser(demo_gguf: Path) -> None:
+    tok = with_special_marker(demo_gguf)
+    assert needs_special_tokens(MISTRAL, tok) and not needs_special_tokens(HERMES, tok)
+    assert not needs_special_tokens(MISTRAL, compiler(str(demo_gguf)).tokenizer), "there it is plain text"
+    reply = MISTRAL.render_call("add", '{"a": 1, "b": 2}')
+    ids = tok.hf.encode(reply, add_special_tokens=False)
+    assert ids[0] == tok.hf.convert_tokens_to_ids("[TOOL_CALLS]")
+
+    def parsed(skip_special_tokens: bool) -> tuple[str, list[Any]]:
+        detok = IncrementalDetokenizer(tok, [], skip_special_tokens)
+        return summary(parse(MISTRAL, [detok.add(i) for i in ids] + [detok.flush()]))
+
+    assert parsed(not needs_special_tokens(MISTRAL, tok)) == ("", [("call_0", "add", '{"a": 1, "b": 2}', None)])
+    assert parsed(True)[1] == [], "skipping special tokens loses the marker, and with it the call"
 
 
 def test_demo_model_calls_declared_tools(demo_gguf: Path) -> None:

@@ -85,6 +85,20 @@ def detect_format(tokenizer: Tokenizer) -> ToolCallFormat:
     return HERMES
 
 
+def needs_special_tokens(fmt: ToolCallFormat, tokenizer: Tokenizer) -> bool:
+    """Whether a marker of `fmt` holds a special token of `tokenizer` (Mistral's `[TOOL_CALLS]`).
+
+    Decoding with `skip_special_tokens` would strip it before `ToolCallParser` sees the text, so the
+    call would come out as plain JSON text: such a request's detokenizer must keep special tokens
+    (`SamplingParams(skip_special_tokens=False)`).
+    """
+    for marker in (fmt.start, fmt.end):
+        ids = list(tokenizer.hf.encode(marker, add_special_tokens=False)) if marker else []
+        if ids and tokenizer.decode(ids) != tokenizer.decode(ids, skip_special_tokens=False):
+            return True
+    return False
+
+
 def structural_tag(
     fmt: ToolCallFormat,
     tools: list[ToolSpec],
