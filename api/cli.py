@@ -34,13 +34,33 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_paged", "flashinfer"])
     p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0 = torch's default, or cores/N)")
     p.add_argument("--host-cache-bytes", type=_parse_bytes, default=0, help="host KV tier budget (0 = none)")
-    p.add_argument("--kv-redis-url", default=None, help="Redis KV tier, e.g. redis://127.0.0.1:6379/1")
+    p.add_argument(
+        "--kv-redis-url", default=None, help="Redis KV tier, e.g. redis://127.0.0.1:6379/1 (serve: `none` = off)"
+    )
     p.add_argument("--kv-redis-ttl", type=int, default=86_400, help="seconds a KV page lives in Redis")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"], help="storage dtype of the KV tiers")
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over (spawned unless torchrun)"
     )
     p.add_argument("--expert-parallel", action="store_true", help="MoE: whole experts per rank, tokens dispatched")
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--redis-url", default=None, help="state Redis; default: a managed redis-server")
+    p.add_argument("--redis-prefix", default="lc", help="prefix of every state key")
+    p.add_argument("--state-ttl", type=int, default=30 * 86_400, help="seconds conversations and responses live")
+    p.add_argument("--background-workers", type=int, default=2, help="background-response workers per process")
+    p.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV pages across requests")
+    p.add_argument(
+        "--kv-redis-max-memory", type=_parse_bytes, default=2 << 30, help="maxmemory of the managed KV-cache Redis"
+    )
+    p.add_argument("--max-output-tokens", type=int, default=4096, help="cap on a response's output tokens")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
+    p.add_argument(
+        "--tool-call-format", default="auto", help="auto (from the chat template), hermes, llama3 or mistral"
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -129,6 +149,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from api.serve import run
+
+    return run(args)
+
+
 def _models(args: argparse.Namespace) -> int:
     from engine.loading.model_source import models_dir, pull_demo
 
@@ -160,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", nargs="+", default=None, help="stop strings (never printed)")
     cli_tools.add_arguments(gen)
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="the HTTP server (Responses and Conversations APIs)")
+    _add_engine_args(serve)
+    _add_serve_args(serve)
+    serve.set_defaults(func=_serve)
 
     models = sub.add_parser("models", help="manage models under $LONGCTX_HOME/models")
     models.add_argument("action", choices=["pull", "list"])
