@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from engine.distributed.parallel import SINGLE, ParallelContext
+from engine.loading.gguf_cache import GGUFCache, TeeSource
 from engine.loading.model_source import ModelPath, resolve_model
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import LoadStats, SafetensorsSource, TensorSource, load_model
@@ -54,13 +55,33 @@ def resolve_dtype(name: str, config: ModelConfig, source: ModelPath, device: tor
     return native if source.kind != "gguf" else torch.float32
 
 
-def open_source(source: ModelPath) -> tuple[ModelConfig, TensorSource]:
+def open_source(source: ModelPath, cache: GGUFCache | None = None) -> tuple[ModelConfig, TensorSource]:
+    """The config and tensors of `source`; a GGUF's from its conversion cache when `cache` has them."""
     if source.kind == "gguf":
+        config = cache.config() if cache is not None else None
+        if cache is not None and config is not None and cache.has_weights():
+            return config, SafetensorsSource(cache.dir)
         from engine.loading.gguf_file import GGUFSource
 
         gguf = GGUFSource(source.path)
-        return gguf.config, gguf
+        if cache is None:
+            return gguf.config, gguf
+        if config is None:
+            cache.save_config(gguf.config)
+        return gguf.config, TeeSource(gguf)
     return ModelConfig.from_pretrained_dir(source.path), SafetensorsSource(source.path)
+
+
+def load_tokenizer(source: ModelPath, eos_token_ids: tuple[int, ...], cache: GGUFCache | None) -> Tokenizer:
+    """The tokenizer; a GGUF's converted one is saved in, and next time read from, its cache."""
+    if cache is not None and cache.has_tokenizer():
+        from transformers import AutoTokenizer
+
+        return Tokenizer(AutoTokenizer.from_pretrained(str(cache.tokenizer_dir)), eos_token_ids)
+    tokenizer = Tokenizer.load(source, eos_token_ids)
+    if cache is not None:
+        cache.save_tokenizer(tokenizer.hf)
+    return tokenizer
 
 
 def load(
@@ -70,17 +91,31 @@ def load(
     *,
     progress: bool | None = None,
     parallel: ParallelContext = SINGLE,
+    cache: bool = True,
 ) -> LoadedModel:
-    """Resolve, read config, load weights and tokenizer. Phases are timed into the stats."""
+    """Resolve, read config, load weights and tokenizer. Phases are timed into the stats.
+
+    Args:
+        cache: a GGUF's conversions (config, tokenizer, dequantized weights) are read from, or
+            written to, a cache beside the file (`engine.loading.gguf_cache`); sharded loads
+            cache only the config and tokenizer.
+    """
     dev = torch.device(device)
     t0 = time.perf_counter()
     source = resolve_model(spec)
-    config, tensors = open_source(source)
+    gguf_cache = GGUFCache(source.path) if cache and source.kind == "gguf" else None
+    config, tensors = open_source(source, gguf_cache if not parallel.sharded else None)
+    if gguf_cache is not None and parallel.sharded and gguf_cache.config() is None:
+        gguf_cache.save_config(config)
     torch_dtype = resolve_dtype(dtype, config, source, dev)
     t_config = time.perf_counter() - t0
     model, stats = load_model(config, tensors, torch_dtype, dev, progress=progress, parallel=parallel)
     t1 = time.perf_counter()
-    tokenizer = Tokenizer.load(source, config.eos_token_ids)
+    if gguf_cache is not None and isinstance(tensors, TeeSource) and tensors.complete and tensors.kept:
+        gguf_cache.save_weights(tensors.kept)
+        stats.phases["cache weights"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+    tokenizer = load_tokenizer(source, config.eos_token_ids, gguf_cache)
     stats.phases = {"resolve+config": t_config, **stats.phases, "tokenizer": time.perf_counter() - t1}
     log.info(
         "model %s (%s, %s) ready: %s",

@@ -1,0 +1,123 @@
+"""What a GGUF file converts to, kept beside it so the next load skips the conversion.
+
+Every load of a GGUF pays for conversions whose results never change: transformers rebuilds
+the tokenizer from the GGUF vocabulary (about 5 s for the demo model on two busy cores),
+gguf-py parses the metadata (about 3 s), and every tensor is dequantized (about 2 s). The
+first load writes their results into a directory beside the file,
+
+    <dir>/.longctx-cache/<file name>-<size>-<mtime_ns>/
+        config.json        our ModelConfig (msgspec JSON, not transformers' config.json)
+        tokenizer/         `save_pretrained` of the converted tokenizer
+        model.safetensors  the dequantized float32 tensors under transformers' names
+
+and later loads read those instead. The key holds the file's size and mtime: a replaced
+file gets a new directory. Each part is written under a temporary name and renamed, so a
+load never sees half a cache (two servers starting together both write; one rename wins).
+The weights are cached only up to `MAX_WEIGHT_CACHE_BYTES` of float32 (a 7B model's would
+be 28 GB); they are exactly what the GGUF source yields, so the weights' fingerprint, and
+with it the KV namespace, is the same either way. A cache that cannot be written (read-only
+directory, full disk) is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from engine.loading.weights import SourceTensor, TensorSource
+from engine.model.config import ModelConfig
+
+log = logging.getLogger("longctx.gguf_cache")
+
+MAX_WEIGHT_CACHE_BYTES = 4 << 30
+WEIGHTS = "model.safetensors"
+
+
+class GGUFCache:
+    """The cache directory of one GGUF file."""
+
+    def __init__(self, gguf: Path):
+        st = gguf.stat()
+        self.gguf = gguf
+        self.dir = gguf.parent / ".longctx-cache" / f"{gguf.name}-{st.st_size}-{st.st_mtime_ns}"
+        self.config_file = self.dir / "config.json"
+        self.tokenizer_dir = self.dir / "tokenizer"
+        self.weights_file = self.dir / WEIGHTS
+
+    # ---- reading ----
+
+    def config(self) -> ModelConfig | None:
+        try:
+            return msgspec.json.decode(self.config_file.read_bytes(), type=ModelConfig)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
+            return None
+
+    def has_tokenizer(self) -> bool:
+        return (self.tokenizer_dir / "tokenizer_config.json").exists()
+
+    def has_weights(self) -> bool:
+        return self.weights_file.exists()
+
+    # ---- writing ----
+
+    def _write(self, target: Path, write: Any) -> None:
+        """Write `target` (a file or directory) through `write(tmp_path)`, then rename it into place."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".part-", dir=self.dir))
+            try:
+                write(tmp / target.name)
+                if not target.exists():  # else another process cached it meanwhile
+                    os.replace(tmp / target.name, target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as e:
+            log.warning("cannot cache %s beside %s: %s", target.name, self.gguf, e)
+
+    def save_config(self, config: ModelConfig) -> None:
+        self._write(self.config_file, lambda p: p.write_bytes(msgspec.json.encode(config)))
+
+    def save_tokenizer(self, hf_tokenizer: Any) -> None:
+        self._write(self.tokenizer_dir, lambda p: hf_tokenizer.save_pretrained(str(p)))
+
+    def save_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        self._write(self.weights_file, lambda p: save_file(tensors, str(p)))
+
+
+class TeeSource:
+    """A GGUF `TensorSource` that keeps a copy of every tensor it reads, to be cached afterwards."""
+
+    def __init__(self, source: TensorSource, budget_bytes: int = MAX_WEIGHT_CACHE_BYTES):
+        self.source = source
+        self.description = source.description
+        self.kept: dict[str, torch.Tensor] = {}
+        self.budget = budget_bytes
+        self.complete = True  # False once a tensor was skipped: the cache would be partial
+
+    def tensors(self) -> Iterator[SourceTensor]:
+        for t in self.source.tensors():
+            yield replace(t, read=self._keeping(t), read_part=None)
+
+    def _keeping(self, t: SourceTensor) -> Any:
+        def read() -> torch.Tensor:
+            value = t.read()
+            size = value.numel() * value.element_size()
+            if self.complete and size <= self.budget:
+                self.budget -= size
+                self.kept[t.name] = value.contiguous()
+            else:
+                self.complete, self.kept = False, {}
+            return value
+
+        return read
