@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, SerializationException, ValidationException
 
 log = logging.getLogger("longctx.http")
 
@@ -125,8 +125,8 @@ def _http(exc: HTTPException, request: Request[Any, Any, Any]) -> Response[dict[
         message = f"method {request.method} is not allowed on {request.url.path}"
     else:
         message = str(exc.detail)
-        if status == 400 and message.startswith("JSON is malformed"):
-            code = "invalid_json"
+        if isinstance(exc.__cause__, SerializationException):  # the body is not JSON
+            message, code = f"the request body is not valid JSON: {message}", "invalid_json"
     type_ = "invalid_request_error" if status < 500 else "server_error"
     headers = {k: v for k, v in (exc.headers or {}).items()}
     return Response(error_body(message, type_, param, code), status_code=status, headers=headers)
