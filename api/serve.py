@@ -126,6 +126,10 @@ class Startup:
     def _model(self) -> Any:
         from engine.loading.loader import load
 
+        if self.args.threads:  # loading (dequantizing, packing) runs on torch's threads too
+            import torch
+
+            torch.set_num_threads(self.args.threads)
         return load(self.args.model, self.args.dtype, self.args.device, progress=False)
 
     def _engine(self, loaded: Any) -> tuple[Any, Any]:
@@ -211,7 +215,8 @@ class Startup:
         state.phase, state.ready = "ready", True
         total = time.perf_counter() - state.started_at
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in state.phase_seconds.items())
-        log.info("ready in %.2fs (%s): serving %s", total, phases, state.options.served_model_name)
+        url = f"http://{self.args.host}:{self.args.port}/v1"
+        log.info("ready in %.2fs (%s): serving %s at %s", total, phases, state.options.served_model_name, url)
 
     def release(self) -> None:
         for instance in reversed(self.managed):

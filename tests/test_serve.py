@@ -23,7 +23,7 @@ import pytest
 
 from api.managed_redis import INSTALL_HINT, ManagedRedis, state_args
 from tests.redis_server import shared_redis
-from tests.server import ROOT, Server, http_get, running_server, serve_command, start_server
+from tests.server import ROOT, Server, free_port, http_get, running_server, serve_command, start_server
 
 pytestmark = pytest.mark.slow
 TINY_ARGS = ("--dtype", "float32", "--kv-cache-bytes", "4MiB", "--threads", "1")
@@ -35,8 +35,9 @@ def tiny_model(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from engine.loading.gguf_cache import GGUFCache
+    from engine.loading.loader import load_tokenizer
     from engine.loading.model_source import resolve_model
-    from engine.loading.tokenizer import Tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
@@ -45,7 +46,7 @@ def tiny_model(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
         vocab_size=49152, max_position_embeddings=512, tie_word_embeddings=True,
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(path)
-    Tokenizer.load(resolve_model(str(demo_gguf))).hf.save_pretrained(path)
+    load_tokenizer(resolve_model(str(demo_gguf)), (), GGUFCache(demo_gguf)).hf.save_pretrained(path)
     return path
 
 
@@ -161,3 +162,10 @@ def test_managed_redis_shared_restarted_and_stopped_by_the_last(tiny_model: Path
         assert not state.socket.exists()
     finally:
         a.stop()
+
+
+def test_startup_failure_exits_1_naming_the_phase(tiny_model: Path, tmp_path: Path) -> None:
+    cmd = serve_command(tiny_model, free_port(), "lc", *TINY_ARGS, "--redis-url", "redis://127.0.0.1:1/0")
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "startup failed in phase redis" in result.stderr

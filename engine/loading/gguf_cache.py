@@ -80,7 +80,7 @@ class GGUFCache:
                     os.replace(tmp / target.name, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-        except OSError as e:
+        except Exception as e:  # a cache that cannot be written must never fail the load
             log.warning("cannot cache %s beside %s: %s", target.name, self.gguf, e)
 
     def save_config(self, config: ModelConfig) -> None:
