@@ -1,0 +1,37 @@
+"""Settings of the session store (`sessions.store`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Args:
+    prefix: key prefix `P` (`--redis-prefix`).
+    state_ttl_s: expiry of state keys, refreshed by every write (`--state-ttl`).
+    lease_ttl_ms: expiry of a conversation lease; renew well within it.
+    retry_budget_s: how long one call retries transient Redis errors before StoreUnavailable.
+    max_append: most items one `append_items` (or `create`) call takes.
+    max_chain: most responses `load_chain` walks before ChainTooLong.
+    events_maxlen: events kept once a response is final.
+    events_ttl_s: expiry of a final response's events.
+    """
+
+    prefix: str = "lc"
+    state_ttl_s: int = 30 * 86_400
+    lease_ttl_ms: int = 30_000
+    retry_budget_s: float = 1.0
+    max_append: int = 20
+    max_chain: int = 1000
+    events_maxlen: int = 10_000
+    events_ttl_s: int = 86_400
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c.isspace() for c in self.prefix):
+            raise ValueError(f"prefix must be non-empty without spaces, got {self.prefix!r}")
+        for name in ("state_ttl_s", "lease_ttl_ms", "max_append", "max_chain", "events_maxlen", "events_ttl_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.retry_budget_s < 0:
+            raise ValueError(f"retry_budget_s must be >= 0, got {self.retry_budget_s}")

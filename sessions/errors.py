@@ -1,0 +1,84 @@
+"""Typed errors of the session store; the HTTP layer maps each to one status, in one place.
+
+    NotFound          404  no such object for this tenant (another tenant's id included)
+    ConversationBusy  409  another response holds the conversation's lease
+    LeaseLost         409  our fence no longer holds the lease: nothing was written
+    Conflict          409  the write contradicts stored state (a duplicate item id, a final
+                           response overwritten, an event out of sequence): nothing was written
+    ChainTooLong      400  a previous_response_id chain deeper than the store walks
+    StoreUnavailable  503  Redis did not answer within the retry budget
+    UnsuitableServer  —    refused at start: the server would lose conversations
+
+Lua scripts report the first four as error replies `LC_<CODE> <detail>`; `from_script_error`
+turns such a reply back into its typed error.
+"""
+
+from __future__ import annotations
+
+import redis
+
+
+class StoreError(Exception):
+    """Base of the session store's errors."""
+
+
+class NotFound(StoreError):
+    def __init__(self, kind: str, id: str):
+        super().__init__(f"{kind} {id!r} not found")
+        self.kind = kind  # "conversation", "item", "response"
+        self.id = id
+
+
+class ConversationBusy(StoreError):
+    def __init__(self, conversation_id: str, holder: str):
+        super().__init__(f"conversation {conversation_id!r} is busy with response {holder!r}")
+        self.conversation_id = conversation_id
+        self.holder = holder  # the response id holding the lease
+
+
+class LeaseLost(StoreError):
+    def __init__(self, conversation_id: str, lease: str):
+        super().__init__(f"lease {lease!r} on conversation {conversation_id!r} is no longer held")
+        self.conversation_id = conversation_id
+        self.lease = lease
+
+
+class Conflict(StoreError):
+    pass
+
+
+class ChainTooLong(StoreError):
+    def __init__(self, response_id: str, max_depth: int):
+        super().__init__(f"previous_response_id chain from {response_id!r} is longer than {max_depth} responses")
+        self.response_id = response_id
+        self.max_depth = max_depth
+
+
+class StoreUnavailable(StoreError):
+    pass
+
+
+class UnsuitableServer(StoreError):
+    pass
+
+
+def from_script_error(e: redis.ResponseError, subject: str) -> StoreError | None:
+    """The typed error a script reported (`LC_<CODE> <detail>`), or None for any other reply.
+
+    Args:
+        e: the error reply.
+        subject: the conversation or response id the script was working on.
+    """
+    code, _, detail = str(e).partition(" ")
+    if code == "LC_NOTFOUND":
+        kind, _, id = detail.partition(" ")
+        return NotFound(kind, id or subject)
+    if code == "LC_BUSY":
+        return ConversationBusy(subject, detail)
+    if code == "LC_LEASELOST":
+        return LeaseLost(subject, detail)
+    if code == "LC_CONFLICT":
+        return Conflict(detail)
+    if code == "LC_CHAIN":
+        return ChainTooLong(subject, int(detail))
+    return None

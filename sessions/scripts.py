@@ -1,0 +1,284 @@
+"""The Lua scripts of the session store: one per change of more than one key, plus the reads
+that must see one consistent snapshot in one round trip. Key layout: `sessions.store`.
+
+Every writing script checks all it needs (tenant, lease fence, duplicate ids, final status)
+before its first write, so a failed check writes nothing; failures are error replies
+`LC_<CODE> <detail>` (`sessions.errors.from_script_error`). Each also recognises its own
+replay (the same call tried again after its reply was lost) and answers as the first did.
+"""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+
+_PRELUDE = """
+local function fail(code, detail) return redis.error_reply('LC_' .. code .. ' ' .. detail) end
+local TERMINAL = {completed = true, failed = true, cancelled = true, incomplete = true}
+local function touch(ttl, keys) for _, k in ipairs(keys) do redis.call('EXPIRE', k, ttl) end end
+-- how many of the n ids at argv[first], argv[first + 2], ... are fields of hash h
+local function present(h, argv, first, n)
+  local found = 0
+  for i = 0, n - 1 do found = found + redis.call('HEXISTS', h, argv[first + 2 * i]) end
+  return found
+end
+-- append n (id, body) pairs at the conversation's next positions; the version goes up once
+local function append(conv, order, items, argv, first, n)
+  for i = 0, n - 1 do
+    local pos = redis.call('HINCRBY', conv, 'next', 1) - 1
+    redis.call('ZADD', order, pos, argv[first + 2 * i])
+    redis.call('HSET', items, argv[first + 2 * i], argv[first + 2 * i + 1])
+  end
+  if n == 0 then return tonumber(redis.call('HGET', conv, 'version')) end
+  return redis.call('HINCRBY', conv, 'version', 1)
+end
+local function hset_pairs(h, argv, first, n)
+  for i = 0, n - 1 do redis.call('HSET', h, argv[first + 2 * i], argv[first + 2 * i + 1]) end
+end
+-- HMGET in chunks: unpack() has a stack limit
+local function mget(h, ids)
+  local out = {}
+  for i = 1, #ids, 1000 do
+    for _, v in ipairs(redis.call('HMGET', h, unpack(ids, i, math.min(i + 999, #ids)))) do out[#out + 1] = v end
+  end
+  return out
+end
+local function owned(conv, tenant) return redis.call('HGET', conv, 'tenant') == tenant end
+"""
+
+# KEYS conv, order, items; ARGV tenant, created_at, metadata, ttl, n, (id, body) * n
+CREATE_CONVERSATION = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if owned(KEYS[1], ARGV[1]) then return tonumber(redis.call('HGET', KEYS[1], 'version')) end
+  return fail('CONFLICT', 'conversation id in use')
+end
+redis.call('HSET', KEYS[1], 'tenant', ARGV[1], 'created_at', ARGV[2], 'metadata', ARGV[3],
+  'version', 0, 'next', 0, 'last_response', '')
+local v = append(KEYS[1], KEYS[2], KEYS[3], ARGV, 6, tonumber(ARGV[5]))
+touch(ARGV[4], KEYS)
+return v
+"""
+
+# KEYS conv, order, items; ARGV tenant, ttl, n, (id, body) * n. All ids present: a replay.
+APPEND_ITEMS = """
+if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'conversation') end
+local n = tonumber(ARGV[3])
+local found = present(KEYS[3], ARGV, 4, n)
+if n > 0 and found == n then return tonumber(redis.call('HGET', KEYS[1], 'version')) end
+if found > 0 then return fail('CONFLICT', 'an item id is already in the conversation') end
+local v = append(KEYS[1], KEYS[2], KEYS[3], ARGV, 4, n)
+touch(ARGV[2], KEYS)
+return v
+"""
+
+# KEYS conv, order, items; ARGV tenant, ttl, item id
+DELETE_ITEM = """
+if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'conversation') end
+if redis.call('ZREM', KEYS[2], ARGV[3]) == 0 then return fail('NOTFOUND', 'item ' .. ARGV[3]) end
+redis.call('HDEL', KEYS[3], ARGV[3])
+redis.call('HSET', KEYS[1], 'last_response', '')  -- its stored tokens no longer match the items
+local v = redis.call('HINCRBY', KEYS[1], 'version', 1)
+touch(ARGV[2], KEYS)
+return v
+"""
+
+# KEYS conv, order, items; ARGV tenant, ttl, metadata
+UPDATE_CONVERSATION = """
+if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'conversation') end
+redis.call('HSET', KEYS[1], 'metadata', ARGV[3])
+touch(ARGV[2], KEYS)
+return 1
+"""
+
+# KEYS conv, order, items, lease; ARGV tenant
+DELETE_CONVERSATION = """
+if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'conversation') end
+redis.call('DEL', unpack(KEYS))
+return 1
+"""
+
+# KEYS conv, lease, fence counter; ARGV tenant, response id, ttl ms. Same response: a new fence.
+ACQUIRE_LEASE = """
+if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'conversation') end
+local held = redis.call('GET', KEYS[2])
+if held then
+  local holder = string.match(held, '^(.*):%d+$')
+  if holder ~= ARGV[2] then return fail('BUSY', holder) end
+end
+local fence = redis.call('INCR', KEYS[3])
+redis.call('SET', KEYS[2], ARGV[2] .. ':' .. fence, 'PX', ARGV[3])
+return fence
+"""
+
+# KEYS lease; ARGV lease value, ttl ms
+RENEW_LEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return fail('LEASELOST', ARGV[1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS lease; ARGV lease value
+RELEASE_LEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
+# KEYS conv, order, items, lease, resp, resp items
+# ARGV 1 tenant, 2 ttl, 3 lease value, 4 base version ('' unknown), 5 response id, 6 status,
+#      7 response JSON, 8 append ('1'/'0'), 9 n items, 10 n fields, 11 n input items,
+#      then (id, body) * n to append, (field, value) * n fields, (id, body) * n input items
+COMMIT_TURN = """
+local conv, order, items, lease, resp, resp_items = unpack(KEYS)
+if redis.call('GET', lease) ~= ARGV[3] then
+  if redis.call('HGET', resp, 'committed') == ARGV[3] then
+    return tonumber(redis.call('HGET', conv, 'version')) or 0
+  end
+  return fail('LEASELOST', ARGV[3])
+end
+if not owned(conv, ARGV[1]) then return fail('NOTFOUND', 'conversation') end
+local old = redis.call('HGET', resp, 'status')
+if old and TERMINAL[old] then return fail('CONFLICT', 'response is already ' .. old) end
+local n, nf, ni = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+local version = tonumber(redis.call('HGET', conv, 'version'))
+if ARGV[8] == '1' then
+  if present(items, ARGV, 12, n) > 0 then return fail('CONFLICT', 'an item id is already in the conversation') end
+  local base = version
+  version = append(conv, order, items, ARGV, 12, n)
+  -- this turn's prompt + output tokens describe the items only if nothing changed them meanwhile
+  redis.call('HSET', conv, 'last_response', tostring(base) == ARGV[4] and ARGV[5] or '')
+end
+redis.call('HSET', resp, 'tenant', ARGV[1], 'status', ARGV[6], 'response', ARGV[7], 'committed', ARGV[3])
+hset_pairs(resp, ARGV, 12 + 2 * n, nf)
+hset_pairs(resp_items, ARGV, 12 + 2 * (n + nf), ni)
+redis.call('DEL', lease)
+touch(ARGV[2], {conv, order, items, resp, resp_items})
+return version
+"""
+
+# KEYS resp, resp items; ARGV 1 tenant, 2 ttl, 3 status, 4 response JSON, 5 n fields,
+#      6 n items, then (field, value) * n fields, (id, body) * n items
+SAVE_RESPONSE = """
+local owner = redis.call('HGET', KEYS[1], 'tenant')
+if owner and owner ~= ARGV[1] then return fail('NOTFOUND', 'response') end
+local old = redis.call('HGET', KEYS[1], 'status')
+if old and TERMINAL[old] then
+  if redis.call('HGET', KEYS[1], 'response') == ARGV[4] then return 0 end
+  return fail('CONFLICT', 'response is already ' .. old)
+end
+local nf, ni = tonumber(ARGV[5]), tonumber(ARGV[6])
+redis.call('HSET', KEYS[1], 'tenant', ARGV[1], 'status', ARGV[3], 'response', ARGV[4])
+hset_pairs(KEYS[1], ARGV, 7, nf)
+hset_pairs(KEYS[2], ARGV, 7 + 2 * nf, ni)
+touch(ARGV[2], KEYS)
+return 1
+"""
+
+# KEYS resp, resp items, events; ARGV tenant
+DELETE_RESPONSE = """
+if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'response') end
+redis.call('DEL', unpack(KEYS))
+return 1
+"""
+
+# KEYS conv, order, items; ARGV tenant, after id ('' none), limit, desc ('1'/'0')
+# -> {has_more, {item JSON...}}
+LIST_ITEMS = """
+if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'conversation') end
+local limit, desc = tonumber(ARGV[3]), ARGV[4] == '1'
+local ids
+if ARGV[2] == '' then
+  ids = redis.call(desc and 'ZREVRANGE' or 'ZRANGE', KEYS[2], 0, limit)
+else
+  local pos = redis.call('ZSCORE', KEYS[2], ARGV[2])
+  if not pos then return fail('NOTFOUND', 'item ' .. ARGV[2]) end
+  if desc then ids = redis.call('ZREVRANGEBYSCORE', KEYS[2], '(' .. pos, '-inf', 'LIMIT', 0, limit + 1)
+  else ids = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. pos, '+inf', 'LIMIT', 0, limit + 1) end
+end
+local more = 0
+if #ids > limit then more = 1; ids[#ids] = nil end
+return {more, mget(KEYS[3], ids)}
+"""
+
+# KEYS conv, order, items; ARGV tenant, response key prefix ('P:resp:')
+# -> {created_at, metadata, version, last_response, prompt_ids, output_ids, {item JSON...}}
+LOAD_CONVERSATION = """
+local h = redis.call('HMGET', KEYS[1], 'tenant', 'created_at', 'metadata', 'version', 'last_response')
+if h[1] ~= ARGV[1] then return fail('NOTFOUND', 'conversation') end
+local tokens = {false, false}
+if h[5] and h[5] ~= '' then tokens = redis.call('HMGET', ARGV[2] .. h[5], 'prompt_ids', 'output_ids') end
+return {h[2], h[3], h[4], h[5], tokens[1], tokens[2], mget(KEYS[3], redis.call('ZRANGE', KEYS[2], 0, -1))}
+"""
+
+# KEYS resp, resp items; ARGV tenant -> {item JSON...} in input order
+RESPONSE_ITEMS = """
+local h = redis.call('HMGET', KEYS[1], 'tenant', 'input_ids')
+if h[1] ~= ARGV[1] then return fail('NOTFOUND', 'response') end
+return mget(KEYS[2], cjson.decode(h[2] or '[]'))
+"""
+
+# ARGV response key prefix ('P:resp:'), tenant, newest response id, max depth
+# -> {prompt_ids, output_ids (of the newest), {response JSON, {input item JSON...}} newest first}
+LOAD_CHAIN = """
+local prefix, tenant, id = ARGV[1], ARGV[2], ARGV[3]
+local tokens = redis.call('HMGET', prefix .. id, 'prompt_ids', 'output_ids')
+local out = {tokens[1], tokens[2]}
+for _ = 1, tonumber(ARGV[4]) do
+  local h = redis.call('HMGET', prefix .. id, 'tenant', 'response', 'input_ids', 'prev')
+  if h[1] ~= tenant then return fail('NOTFOUND', 'response ' .. id) end
+  out[#out + 1] = {h[2], mget(prefix .. id .. ':items', cjson.decode(h[3] or '[]'))}
+  if not h[4] or h[4] == '' then return out end
+  id = h[4]
+end
+return fail('CHAIN', ARGV[4])
+"""
+
+# KEYS events; ARGV stream id ('0-<seq + 1>'), event JSON, ttl
+APPEND_EVENT = """
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if last[1] and last[1][1] == ARGV[1] then return 0 end
+local r = redis.pcall('XADD', KEYS[1], ARGV[1], 'e', ARGV[2])
+if type(r) == 'table' and r.err then return fail('CONFLICT', 'event ' .. ARGV[1] .. ' is not after the last one') end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# KEYS jobs; ARGV group, consumer, job id -> 1 if still ours (idle time reset), else 0
+HEARTBEAT_JOB = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
+return 1
+"""
+
+# KEYS idem; ARGV response id
+FORGET_IDEMPOTENCY = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
+
+class Scripts:
+    """The scripts above registered on one client (run by EVALSHA, loaded again on NOSCRIPT)."""
+
+    def __init__(self, client: Redis):
+        def reg(body: str) -> AsyncScript:
+            return client.register_script(_PRELUDE + body)  # type: ignore[return-value]
+
+        self.create_conversation = reg(CREATE_CONVERSATION)
+        self.append_items = reg(APPEND_ITEMS)
+        self.delete_item = reg(DELETE_ITEM)
+        self.update_conversation = reg(UPDATE_CONVERSATION)
+        self.delete_conversation = reg(DELETE_CONVERSATION)
+        self.acquire_lease = reg(ACQUIRE_LEASE)
+        self.renew_lease = reg(RENEW_LEASE)
+        self.release_lease = reg(RELEASE_LEASE)
+        self.commit_turn = reg(COMMIT_TURN)
+        self.save_response = reg(SAVE_RESPONSE)
+        self.delete_response = reg(DELETE_RESPONSE)
+        self.list_items = reg(LIST_ITEMS)
+        self.load_conversation = reg(LOAD_CONVERSATION)
+        self.response_items = reg(RESPONSE_ITEMS)
+        self.load_chain = reg(LOAD_CHAIN)
+        self.append_event = reg(APPEND_EVENT)
+        self.heartbeat_job = reg(HEARTBEAT_JOB)
+        self.forget_idempotency = reg(FORGET_IDEMPOTENCY)

@@ -1,0 +1,137 @@
+"""Conversations, items, leases and responses in Redis (redis.asyncio): the session store.
+
+Key layout (`P` = prefix, default `lc`; `c` a conversation id, `r` a response id):
+
+    key                    type    holds
+    P:conv:c               hash    tenant, created_at, metadata (JSON), version, next (position),
+                                   last_response (whose tokens match the items; '' if none)
+    P:conv:c:order         zset    item ids scored by position (a deleted item leaves a gap)
+    P:conv:c:items         hash    item id -> item JSON (`sessions.items`)
+    P:conv:c:lease         string  `r:fence` of the response running on c; PX 30 s, renewed
+    P:fence                string  fence counter (INCR); never expires
+    P:resp:r               hash    tenant, status, response (JSON), prev, conv, input_ids (JSON),
+                                   prompt_ids, output_ids (uint32 little-endian), committed
+    P:resp:r:items         hash    the response's input items, id -> JSON (also when the turn
+                                   was in a conversation, so input_items survive item deletes)
+    P:resp:r:events        stream  events by sequence number (`sessions.streams`)
+    P:jobs                 stream  background responses, group `workers` (`sessions.streams`)
+    P:idem:<tenant>:<key>  string  Idempotency-Key -> response id, 24 h
+    P:secret               string  HMAC key for compaction items; SET NX once, never expires
+
+Rules:
+- Every change of more than one key is one Lua script (`sessions.scripts`, EVALSHA). A script
+  checks everything first (tenant, lease fence, duplicate item ids, a final response), so a
+  failed check writes nothing. The scripts recognise their own replay (`sessions.retry` tries
+  a write again when its reply was lost) and answer as the first run did.
+- Every read, and every change a client asks for, takes the tenant and answers NotFound for
+  another tenant's id (lease, event and job calls, which the server makes for its own running
+  responses, take the ids it holds).
+- One running response per conversation: `acquire_lease` gives a fence, `renew_lease` keeps
+  it, `commit_turn` writes the turn only while the fence still holds the lease (else
+  LeaseLost, nothing written) and releases it. A response id that asks again takes the lease
+  over with a new fence (a background job rerun after its worker died).
+- Transient Redis errors are retried for `retry_budget_s` (1 s), then StoreUnavailable.
+- The conversation version goes up with every change of its items and never goes back.
+- State keys carry `state_ttl_s`, refreshed by every write to them.
+- `conversations.load` and `responses.load_chain` are single read scripts (one round trip,
+  one snapshot) that follow the ids they read (the last response, `previous_response_id`
+  links), and leases share one fence counter: the store needs one Redis, not a Cluster.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from sessions.config import StoreConfig
+from sessions.conversations import ConversationContext, ConversationStore
+from sessions.errors import UnsuitableServer
+from sessions.keys import Keys
+from sessions.responses import Chain, ChainLink, ResponseStore
+from sessions.retry import Retrier
+from sessions.scripts import Scripts
+from sessions.streams import Event, EventLog, Job, JobQueue
+
+__all__ = ["Chain", "ChainLink", "ConversationContext", "Event", "Job", "SessionStore", "StoreConfig"]
+
+IDEMPOTENCY_TTL_S = 86_400
+
+
+class SessionStore:
+    """The session store on one Redis client; build it with `SessionStore.connect(url)`.
+
+    Attributes:
+        conversations: conversations, items, leases, commits (`ConversationStore`).
+        responses: stored responses and `previous_response_id` chains (`ResponseStore`).
+        events: each response's event stream (`EventLog`).
+        jobs: the background-job queue (`JobQueue`).
+    """
+
+    def __init__(self, client: Redis, config: StoreConfig | None = None):
+        self.client = client
+        self.config = config = config or StoreConfig()
+        self.keys = keys = Keys(config.prefix)
+        self.retrier = retrier = Retrier(config.retry_budget_s)
+        scripts = Scripts(client)
+        self.conversations = ConversationStore(client, keys, retrier, scripts, config)
+        self.responses = ResponseStore(client, keys, retrier, scripts, config)
+        self.events = EventLog(client, keys, retrier, scripts, config)
+        self.jobs = JobQueue(client, keys, retrier, scripts)
+        self._scripts = scripts
+        self._secret: bytes | None = None
+
+    @classmethod
+    def connect(cls, url: str, config: StoreConfig | None = None) -> SessionStore:
+        """A store on a new client for `url` (redis:// or unix://). redis-py's own retries are
+        off: this store retries, within `retry_budget_s`."""
+        client = Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=10.0, retry=Retry(NoBackoff(), 0))
+        return cls(client, config)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def check_server(self) -> None:
+        """Refuse a server that could lose conversations: UnsuitableServer unless it runs
+        `maxmemory-policy noeviction` and Redis 7 or later."""
+        info = await self.retrier.run(self.client.info, "check_server")
+        policy = info.get("maxmemory_policy")
+        if policy != "noeviction":
+            raise UnsuitableServer(
+                f"the session Redis runs maxmemory-policy {policy!r}, so it may evict conversations; "
+                "run it with `maxmemory-policy noeviction` (and keep the KV-cache Redis a separate server)"
+            )
+        version = str(info.get("redis_version", "0"))
+        if int(version.split(".")[0]) < 7:
+            raise UnsuitableServer(f"the session Redis is version {version}; the store needs 7.0 or later")
+
+    async def remember_idempotency(self, tenant: str, key: str, resp_id: str) -> str | None:
+        """Bind an Idempotency-Key to `resp_id` for 24 h (SET NX); returns the response id it was
+        already bound to (nothing changes then), or None."""
+
+        async def once() -> Any:
+            return await self.client.set(self.keys.idem(tenant, key), resp_id, nx=True, ex=IDEMPOTENCY_TTL_S, get=True)
+
+        old = await self.retrier.run(once, "idempotency")
+        return None if old is None or old.decode() == resp_id else str(old.decode())
+
+    async def forget_idempotency(self, tenant: str, key: str, resp_id: str) -> None:
+        """Unbind the key if it is still bound to `resp_id` (its request failed before any write)."""
+        keys = [self.keys.idem(tenant, key)]
+        await self.retrier.script(self._scripts.forget_idempotency, keys, [resp_id], "idempotency")
+
+    async def compaction_secret(self) -> bytes:
+        """The HMAC key of compaction items: made once (SET NX), shared by every server."""
+        if self._secret is None:
+
+            async def once() -> bytes:
+                await self.client.set(self.keys.secret, secrets.token_bytes(32), nx=True)
+                secret = await self.client.get(self.keys.secret)
+                assert isinstance(secret, bytes)
+                return secret
+
+            self._secret = await self.retrier.run(once, "secret")
+        return self._secret
