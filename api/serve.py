@@ -141,6 +141,8 @@ class Startup:
             kv_cache_bytes=args.kv_cache_bytes,
             page_size=args.page_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_prefill_tokens_per_request=args.max_prefill_tokens_per_request,
+            max_queued=args.max_queued,
             attention_backend=args.attention_backend,
             threads=args.threads,
             enable_prefix_caching=not args.no_prefix_cache,

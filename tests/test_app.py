@@ -1,8 +1,7 @@
 """The app in process (no model, no Redis): readiness, the one error mapper, SSE.
 
-Test routes stand in for the API's: one decodes a msgspec body, one raises what it is told.
-The exceptions raised are the real domain classes where they exist, and classes of the
-registered name where the layer defining them is not part of this test.
+Test routes stand in for the API's: one decodes a msgspec body, one raises the real domain
+exceptions of the engine, tools and sessions layers.
 """
 
 from __future__ import annotations
@@ -21,7 +20,9 @@ from litestar.testing import TestClient
 from api.app import create_app
 from api.sse import COMMENT, encode_event, sse_bytes, sse_response
 from api.state import ServeOptions, ServerState
-from engine.request import ContextTooLong
+from engine.request import ContextTooLong, EngineOverloaded
+from sessions.errors import ConversationBusy, NotFound, StoreUnavailable
+from sessions.items import InvalidItem
 from tools.schema import InvalidSchema
 
 
@@ -36,23 +37,13 @@ class Body(msgspec.Struct):
     text: Format | None = None
 
 
-class EngineOverloaded(RuntimeError):
-    retry_after_s = 2.0
-
-
-class ConversationBusy(RuntimeError):
-    pass
-
-
-class StoreUnavailable(RuntimeError):
-    pass
-
-
 RAISE: dict[str, Exception] = {
     "context": ContextTooLong(5000, 4096, "model's context"),
-    "overloaded": EngineOverloaded("the engine's queue is full"),
-    "busy": ConversationBusy("conversation 'conv_1' is busy"),
+    "overloaded": EngineOverloaded(256, 256, retry_after_s=2.0),
+    "busy": ConversationBusy("conv_1", "resp_1"),
     "store": StoreUnavailable("Redis did not answer"),
+    "missing": NotFound("conversation", "conv_2"),
+    "item": InvalidItem("unknown item type 'image'", "input[2].type"),
     "schema": InvalidSchema("tool 'get_weather'", "$.properties.city", "bad type"),
     "bug": KeyError("oops"),
 }
@@ -143,6 +134,8 @@ def test_unknown_route_and_method(client: TestClient[Any]) -> None:
         ("overloaded", 429, "engine_overloaded", None, {"retry-after": "2", "x-should-retry": "true"}),
         ("busy", 409, "conversation_busy", None, {"x-should-retry": "false"}),
         ("store", 503, "store_unavailable", None, {}),
+        ("missing", 404, "not_found", None, {}),
+        ("item", 400, "invalid_item", "input[2].type", {}),
         ("schema", 400, "invalid_schema", "tool 'get_weather'", {}),
         ("bug", 500, "internal_error", None, {}),
     ],
