@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loading.gguf_cache import GGUFCache, TeeSource
+from engine.loading.gguf_cache import GGUFCache, TeeSource, _umask
 from engine.loading.loader import load_tokenizer, open_source
 from engine.loading.model_source import resolve_model
 from engine.loading.weights import SafetensorsSource, load_model
@@ -70,3 +70,14 @@ def test_cached_tokenizer_matches_the_converted_one(demo_gguf: Path, tmp_path: P
     assert cached.apply_chat_template(messages) == converted.apply_chat_template(messages)
     assert cached.decode(cached.encode(text)) == converted.decode(converted.encode(text))
     assert cached.eos_token_ids == converted.eos_token_ids and cached.chat_template == converted.chat_template
+
+
+def test_cache_is_readable_by_others_and_a_damaged_one_is_ignored(tmp_path: Path) -> None:
+    path, _ = tiny_gguf(tmp_path, "llama-tied-llama3")
+    _load_twice(path)
+    cache = GGUFCache(path)
+    for p in [cache.weights_file, cache.config_file]:  # as a plain write would make them
+        assert p.stat().st_mode & 0o777 == 0o666 & ~_umask(), oct(p.stat().st_mode)
+    cache.weights_file.write_bytes(b"\xff" * 64)  # a damaged header
+    _, tensors = open_source(resolve_model(str(path)), cache)
+    assert isinstance(tensors, TeeSource), "a damaged cache must fall back to the GGUF"

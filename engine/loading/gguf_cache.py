@@ -42,6 +42,25 @@ MAX_WEIGHT_CACHE_BYTES = 4 << 30
 WEIGHTS = "model.safetensors"
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask sets it, racing other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def _readable(path: Path) -> None:
+    """Permissions as a plain write would give (some writers create 0600 files): others on the
+    machine load the same model."""
+    umask = _umask()
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
 class GGUFCache:
     """The cache directory of one GGUF file."""
 
@@ -76,6 +95,7 @@ class GGUFCache:
             tmp = Path(tempfile.mkdtemp(prefix=".part-", dir=self.dir))
             try:
                 write(tmp / target.name)
+                _readable(tmp / target.name)
                 if not target.exists():  # else another process cached it meanwhile
                     os.replace(tmp / target.name, target)
             finally:

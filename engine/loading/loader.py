@@ -12,6 +12,7 @@ import torch
 from engine.distributed.parallel import SINGLE, ParallelContext
 from engine.loading.gguf_cache import GGUFCache, TeeSource
 from engine.loading.model_source import ModelPath, resolve_model
+from engine.loading.safetensors_file import CheckpointError
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import LoadStats, SafetensorsSource, TensorSource, load_model
 from engine.model.config import ModelConfig
@@ -60,7 +61,10 @@ def open_source(source: ModelPath, cache: GGUFCache | None = None) -> tuple[Mode
     if source.kind == "gguf":
         config = cache.config() if cache is not None else None
         if cache is not None and config is not None and cache.has_weights():
-            return config, SafetensorsSource(cache.dir)
+            try:
+                return config, SafetensorsSource(cache.dir)
+            except (CheckpointError, OSError) as e:  # unreadable or damaged: convert again
+                log.warning("ignoring the conversion cache %s: %s", cache.dir, e)
         from engine.loading.gguf_file import GGUFSource
 
         gguf = GGUFSource(source.path)
