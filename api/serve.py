@@ -228,8 +228,19 @@ class Startup:
                 log.exception("could not release managed redis-server (%s)", instance.name)
 
 
-def run(args: argparse.Namespace, routes: list[Any] | None = None) -> int:
-    """`longctx serve`. Returns the exit code (2: bad flags or no redis-server; 1: startup failed)."""
+def run(
+    args: argparse.Namespace,
+    routes: list[Any] | None = None,
+    setup: Callable[[ServerState], None] | None = None,
+) -> int:
+    """`longctx serve`. Returns the exit code (2: bad flags or no redis-server; 1: startup failed).
+
+    Args:
+        routes: the API's route handlers (routers, controllers).
+        setup: called with the fresh state before the server starts; route modules append
+            their resources' `on_startup` hooks (run in the `routes` phase, once the engine is
+            warm) and `on_shutdown` hooks there.
+    """
     from engine.loading.model_source import resolve_model
 
     if args.tensor_parallel_size > 1 or args.expert_parallel:
@@ -254,6 +265,8 @@ def run(args: argparse.Namespace, routes: list[Any] | None = None) -> int:
         tool_call_format=args.tool_call_format,
     )
     state = ServerState(options)
+    if setup is not None:
+        setup(state)
     holder: list[Startup] = []
     app = create_app(state, routes or [], start=lambda s: holder[0].run(s), debug=args.verbose)
     config = uvicorn.Config(
