@@ -10,42 +10,60 @@ import pytest
 import torch
 
 from engine.loading.gguf_cache import GGUFCache, TeeSource, _umask
-from engine.loading.loader import load_tokenizer, open_source
+from engine.loading.loader import _cache_weights, load_tokenizer, open_source
 from engine.loading.model_source import resolve_model
 from engine.loading.weights import SafetensorsSource, load_model
 from tests.test_gguf import tiny_gguf
 
 
-def _load_twice(path: Path) -> tuple[list[object], list[torch.nn.Module], list[str]]:
-    sources, models, prints = [], [], []
-    for _ in range(2):
-        source = resolve_model(str(path))
-        cache = GGUFCache(source.path)
-        config, tensors = open_source(source, cache)
-        model, stats = load_model(config, tensors, torch.float32, progress=False)
-        if isinstance(tensors, TeeSource):
-            assert tensors.complete
-            cache.save_weights(tensors.kept)
-        sources.append(tensors)
-        models.append(model)
-        prints.append(stats.fingerprint)
-    return sources, models, prints
+def _load(path: Path, dtype: torch.dtype) -> tuple[object, torch.nn.Module, str]:
+    """What `load` does with the weights (the tiny GGUF has no tokenizer for `load` itself)."""
+    source = resolve_model(str(path))
+    cache = GGUFCache(source.path)
+    config, tensors = open_source(source, cache, dtype)
+    model, stats = load_model(config, tensors, dtype, progress=False)
+    _cache_weights(cache, tensors, dtype, stats)
+    return tensors, model, stats.fingerprint
 
 
-def test_second_load_reads_the_cache_and_matches(tmp_path: Path) -> None:
-    path, _ = tiny_gguf(tmp_path, "llama-tied-llama3")
-    sources, models, prints = _load_twice(path)
-    assert isinstance(sources[0], TeeSource) and isinstance(sources[1], SafetensorsSource)
-    assert prints[0] == prints[1], "the cached weights must keep the KV namespace's fingerprint"
-    first, second = (dict(m.named_parameters()) for m in models)
+def _same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    first, second = dict(a.named_parameters()), dict(b.named_parameters())
     assert first.keys() == second.keys()
     for name, p in first.items():
-        assert torch.equal(p, second[name]), name
+        q = second[name]
+        if p.is_mkldnn:  # bf16 linears prepacked for oneDNN
+            p, q = p.to_dense(), q.to_dense()
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_second_load_reads_the_cache_and_matches(tmp_path: Path, dtype: torch.dtype) -> None:
+    path, _ = tiny_gguf(tmp_path, "llama-tied-llama3")
+    first, model1, print1 = _load(path, dtype)
+    second, model2, print2 = _load(path, dtype)
+    cache = GGUFCache(path)
+    assert isinstance(first, TeeSource) and isinstance(second, SafetensorsSource)
+    assert second.directory == cache.weights_dir(dtype)
+    assert print1 == print2 == cache.fingerprint(), "the cache must keep the KV namespace's fingerprint"
+    _same_parameters(model1, model2)
+
+
+def test_a_float32_cache_is_converted_once_to_the_dtype_loaded(tmp_path: Path) -> None:
+    path, _ = tiny_gguf(tmp_path, "llama-tied-llama3")
+    _, _, print32 = _load(path, torch.float32)
+    cache = GGUFCache(path)
+    assert cache.has_weights() and not cache.has_weights(torch.bfloat16)
+    first, model1, print1 = _load(path, torch.bfloat16)  # from the float32 cache, kept
+    assert isinstance(first, TeeSource) and cache.has_weights(torch.bfloat16)
+    second, model2, print2 = _load(path, torch.bfloat16)
+    assert isinstance(second, SafetensorsSource) and second.directory == cache.weights_dir(torch.bfloat16)
+    assert print32 == print1 == print2
+    _same_parameters(model1, model2)
 
 
 def test_a_replaced_file_is_converted_again(tmp_path: Path) -> None:
     path, _ = tiny_gguf(tmp_path, "llama-tied-llama3")
-    _load_twice(path)
+    _load(path, torch.float32)
     old = GGUFCache(path).dir
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
@@ -74,10 +92,10 @@ def test_cached_tokenizer_matches_the_converted_one(demo_gguf: Path, tmp_path: P
 
 def test_cache_is_readable_by_others_and_a_damaged_one_is_ignored(tmp_path: Path) -> None:
     path, _ = tiny_gguf(tmp_path, "llama-tied-llama3")
-    _load_twice(path)
+    _load(path, torch.float32)
     cache = GGUFCache(path)
-    for p in [cache.weights_file, cache.config_file]:  # as a plain write would make them
+    for p in [cache.weights_dir() / "model.safetensors", cache.config_file]:  # as a plain write would make them
         assert p.stat().st_mode & 0o777 == 0o666 & ~_umask(), oct(p.stat().st_mode)
-    cache.weights_file.write_bytes(b"\xff" * 64)  # a damaged header
+    (cache.weights_dir() / "model.safetensors").write_bytes(b"\xff" * 64)  # a damaged header
     _, tensors = open_source(resolve_model(str(path)), cache)
     assert isinstance(tensors, TeeSource), "a damaged cache must fall back to the GGUF"

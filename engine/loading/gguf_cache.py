@@ -6,16 +6,21 @@ gguf-py parses the metadata (about 3 s), and every tensor is dequantized (about 
 first load writes their results into a directory beside the file,
 
     <dir>/.longctx-cache/<file name>-<size>-<mtime_ns>/
-        config.json        our ModelConfig (msgspec JSON, not transformers' config.json)
-        tokenizer/         `save_pretrained` of the converted tokenizer
-        model.safetensors  the dequantized float32 tensors under transformers' names
+        config.json                  our ModelConfig (msgspec JSON, not transformers' config.json)
+        tokenizer/                   `save_pretrained` of the converted tokenizer
+        weights-float32/model.safetensors   the dequantized tensors under transformers' names
+        weights-bfloat16/model.safetensors  the same converted to the dtype a load ran in
+        fingerprint                  the weights' fingerprint (`LoadStats.fingerprint`)
 
 and later loads read those instead. The key holds the file's size and mtime: a replaced
 file gets a new directory. Each part is written under a temporary name and renamed, so a
 load never sees half a cache (two servers starting together both write; one rename wins).
-The weights are cached only up to `MAX_WEIGHT_CACHE_BYTES` of float32 (a 7B model's would
-be 28 GB); they are exactly what the GGUF source yields, so the weights' fingerprint, and
-with it the KV namespace, is the same either way. A cache that cannot be written (read-only
+The float32 tensors are exactly what the GGUF source yields, so their fingerprint is the
+GGUF's; a load from the weights of another dtype (which skips the float32 read and the
+conversion) takes the recorded fingerprint, so the KV namespace is the same either way.
+Weights are cached only up to `MAX_WEIGHT_CACHE_BYTES` of float32 (a 7B model's would be
+28 GB). While converting, the float32 tensors are kept until the end of the load: the first
+load's peak memory is the model plus that copy. A cache that cannot be written (read-only
 directory, full disk) is logged and skipped.
 """
 
@@ -70,7 +75,10 @@ class GGUFCache:
         self.dir = gguf.parent / ".longctx-cache" / f"{gguf.name}-{st.st_size}-{st.st_mtime_ns}"
         self.config_file = self.dir / "config.json"
         self.tokenizer_dir = self.dir / "tokenizer"
-        self.weights_file = self.dir / WEIGHTS
+        self.fingerprint_file = self.dir / "fingerprint"
+
+    def weights_dir(self, dtype: torch.dtype = torch.float32) -> Path:
+        return self.dir / f"weights-{str(dtype).removeprefix('torch.')}"
 
     # ---- reading ----
 
@@ -83,8 +91,14 @@ class GGUFCache:
     def has_tokenizer(self) -> bool:
         return (self.tokenizer_dir / "tokenizer_config.json").exists()
 
-    def has_weights(self) -> bool:
-        return self.weights_file.exists()
+    def has_weights(self, dtype: torch.dtype = torch.float32) -> bool:
+        return (self.weights_dir(dtype) / WEIGHTS).exists()
+
+    def fingerprint(self) -> str | None:
+        try:
+            return self.fingerprint_file.read_text().strip() or None
+        except OSError:
+            return None
 
     # ---- writing ----
 
@@ -109,10 +123,18 @@ class GGUFCache:
     def save_tokenizer(self, hf_tokenizer: Any) -> None:
         self._write(self.tokenizer_dir, lambda p: hf_tokenizer.save_pretrained(str(p)))
 
-    def save_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def save_weights(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
+        """Cache `tensors` (float32, as the GGUF yields them) converted to `dtype`."""
         from safetensors.torch import save_file
 
-        self._write(self.weights_file, lambda p: save_file(tensors, str(p)))
+        def write(p: Path) -> None:
+            p.mkdir()
+            save_file({k: v.to(dtype) for k, v in tensors.items()}, str(p / WEIGHTS))
+
+        self._write(self.weights_dir(dtype), write)
+
+    def save_fingerprint(self, fingerprint: str) -> None:
+        self._write(self.fingerprint_file, lambda p: p.write_text(fingerprint + "\n"))
 
 
 class TeeSource:
