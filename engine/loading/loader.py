@@ -12,7 +12,7 @@ import torch
 from engine.distributed.parallel import SINGLE, ParallelContext
 from engine.loading.model_source import ModelPath, resolve_model
 from engine.loading.tokenizer import Tokenizer
-from engine.loading.weights import LoadStats, SafetensorsSource, TensorSource, load_model
+from engine.loading.weights import LoadStats, SafetensorsSource, TensorCallback, TensorSource, load_model
 from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
 
@@ -70,15 +70,19 @@ def load(
     *,
     progress: bool | None = None,
     parallel: ParallelContext = SINGLE,
+    on_tensor: TensorCallback | None = None,
 ) -> LoadedModel:
-    """Resolve, read config, load weights and tokenizer. Phases are timed into the stats."""
+    """Resolve, read config, load weights and tokenizer. Phases are timed into the stats.
+    `on_tensor` is called with each tensor as it is read (see `load_weights`)."""
     dev = torch.device(device)
     t0 = time.perf_counter()
     source = resolve_model(spec)
     config, tensors = open_source(source)
     torch_dtype = resolve_dtype(dtype, config, source, dev)
     t_config = time.perf_counter() - t0
-    model, stats = load_model(config, tensors, torch_dtype, dev, progress=progress, parallel=parallel)
+    model, stats = load_model(
+        config, tensors, torch_dtype, dev, progress=progress, parallel=parallel, on_tensor=on_tensor
+    )
     t1 = time.perf_counter()
     tokenizer = Tokenizer.load(source, config.eos_token_ids)
     stats.phases = {"resolve+config": t_config, **stats.phases, "tokenizer": time.perf_counter() - t1}
