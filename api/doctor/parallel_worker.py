@@ -34,8 +34,11 @@ def main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     from api.doctor.capture import PAGE_SIZE, runner_for
 
+    t0 = time.perf_counter()
     ctx, watchdog = init_parallel(args.world_size, args.expert_parallel, args.device)
+    print(f"rank {ctx.rank}: group ready after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     loaded = load(args.model, args.dtype, args.device, progress=False, parallel=ctx)
+    print(f"rank {ctx.rank}: loaded after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     prompts: list[list[int]] = json.loads(args.prompts)
     runner, pool = runner_for(loaded.model, max(len(x) for x in prompts))
     logits, times = [], []
@@ -48,6 +51,8 @@ def main(argv: list[str]) -> None:
     result = {"logits": logits, "bytes_read": loaded.stats.bytes_read, "step_s": times,
               "comm_bytes": ctx.comm.total}  # fmt: skip
     torch.save(result, args.out / f"rank{ctx.rank}.pt")
+    watchdog.stop()
+    torch.distributed.barrier()  # no rank leaves (rank 0 holds the store) before all are done
     finish_parallel(watchdog)
 
 
