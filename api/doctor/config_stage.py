@@ -34,6 +34,8 @@ HARMLESS_FIELDS = {
     "use_bfloat16", "unsloth_version", "finetuning_task", "task_specific_params", "prefix", "sep_token_id",
 }  # fmt: skip
 GGUF_HARMLESS_PREFIXES = ("general.", "tokenizer.", "quantize.", "split.")
+# GGUF keys that repeat what is read elsewhere (the vocabulary size is the token embedding's rows).
+GGUF_REDUNDANT_SUFFIXES = (".vocab_size",)
 
 
 def parameter_counts(c: ModelConfig) -> tuple[int, int]:
@@ -65,8 +67,9 @@ def ignored_fields(source: ModelPath, reader_keys: set[str] | None, arch_prefix:
         from gguf import GGUFReader
 
         keys = GGUFReader(source.path).fields.keys()
-        return sorted(k for k in keys if not k.startswith(GGUF_HARMLESS_PREFIXES) and k not in reader_keys
-                      and k.startswith(arch_prefix))  # fmt: skip
+        harmless = GGUF_HARMLESS_PREFIXES
+        return sorted(k for k in keys if k.startswith(arch_prefix) and k not in reader_keys
+                      and not k.startswith(harmless) and not k.endswith(GGUF_REDUNDANT_SUFFIXES))  # fmt: skip
     raw: dict[str, Any] = json.loads((source.path / "config.json").read_text())
     return sorted(k for k in raw if k not in READ_FIELDS and k not in HARMLESS_FIELDS)
 

@@ -24,7 +24,7 @@ from engine.model_runner import Chunk, ModelRunner
 from kvstore.block_pool import BlockPool
 
 CHUNK = 512  # prefill tokens per step, the engine's default budget
-DECODE_STEPS = 8
+DECODE_STEPS = 16  # room for "The pass key is 12345." after the prompt
 DEPTHS = (0.1, 0.5, 0.9)
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 

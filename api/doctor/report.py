@@ -58,7 +58,9 @@ def _cell(v: Any) -> str:
     if isinstance(v, float):
         if v == 0:
             return "0"
-        return f"{v:.3g}" if 1e-3 <= abs(v) < 1e5 else f"{v:.2e}"
+        if 1e3 <= abs(v) < 1e9:
+            return f"{v:,.0f}"
+        return f"{v:.3g}" if 1e-3 <= abs(v) < 1e3 else f"{v:.2e}"
     return str(v).replace("\n", "\\n")
 
 

@@ -71,20 +71,34 @@ def _sibling_outliers(stats: list[TensorStats]) -> list[tuple[TensorStats, float
     return out
 
 
-def weights_stage(stats: list[TensorStats], load: LoadStats, peak_rss: int, st: StageResult) -> None:
-    by_dtype: dict[str, int] = defaultdict(int)
-    files = sorted({s.file for s in stats})
+def bytes_by_type(stats: list[TensorStats], files: list[str]) -> tuple[dict[str, int], str]:
+    """Bytes per storage type: GGUF's quantization types from the file, else the dtypes as read."""
+    by_type: dict[str, int] = defaultdict(int)
+    if files and all(f.endswith(".gguf") for f in files):
+        from gguf import GGUFReader
+
+        for f in files:
+            for t in GGUFReader(f).tensors:
+                by_type[t.tensor_type.name] += int(t.n_bytes)
+        return dict(by_type), "GGML types"
     for s in stats:
-        by_dtype[s.dtype] += s.nbytes
+        by_type[s.dtype] += s.nbytes
+    return dict(by_type), "dtypes"
+
+
+def weights_stage(stats: list[TensorStats], load: LoadStats, peak_rss: int, st: StageResult) -> None:
+    files = sorted({s.file for s in stats})
+    by_dtype, kind = bytes_by_type(stats, files)
     worst = sorted(stats, key=lambda s: -s.absmax)[:5]
     rows: list[list[object]] = [[s.name, list(s.shape), s.mean, s.std, s.absmax] for s in worst]
     st.table(["largest tensors by absmax", "shape", "mean", "std", "absmax"], rows)
     st.note(f"{len(stats)} tensors in {len(files)} file(s); "
-            + ", ".join(f"{d} {n / 1e6:.1f} MB" for d, n in sorted(by_dtype.items())) + " (as read)")  # fmt: skip
-    st.note(f"loaded {load.bytes_read / 1e6:.1f} MB in {load.seconds:.2f} s ({load.gb_per_s:.2f} GB/s), "
+            + ", ".join(f"{d} {n / 1e6:.1f} MB" for d, n in sorted(by_dtype.items())) + f" (by {kind})")  # fmt: skip
+    mb_per_s = load.bytes_read / max(load.seconds, 1e-9) / 1e6
+    st.note(f"loaded {load.bytes_read / 1e6:.1f} MB in {load.seconds:.2f} s ({mb_per_s:.1f} MB/s), "
             f"peak RSS {peak_rss / 1e9:.2f} GB")  # fmt: skip
     st.data = {
-        "tensors": [s._asdict() for s in stats], "files": files, "bytes_by_dtype": dict(by_dtype),
+        "tensors": [s._asdict() for s in stats], "files": files, "bytes_by_type": by_dtype,
         "gb_per_s": load.gb_per_s, "seconds": load.seconds, "peak_rss_bytes": peak_rss,
         "fingerprint": load.fingerprint,
     }  # fmt: skip
