@@ -83,7 +83,8 @@ def generation_stage(ctx: DoctorContext, st: StageResult) -> None:
     rows.append(["greedy answer", answer.finish.value if answer.finish else "?", len(answer.ids), answer.text[:60]])
     if answer.error or answer.finish not in (FinishReason.STOP, FinishReason.LENGTH):
         st.fail(f"greedy answer ended with {answer.finish} {answer.error or ''}".strip())
-    ttft = engine.stats.ttft_s[-1] if engine.stats.ttft_s else 0.0
+    first = engine.stats.ttft.snapshot()  # the answer is this engine's first request
+    ttft = first.sum / first.samples if first.samples else 0.0
     decode_s = max(answer.seconds - ttft, 1e-9)
     tps = (len(answer.ids) - 1) / decode_s if len(answer.ids) > 1 else 0.0
     st.data.update(answer=answer.text, ttft_s=ttft, tokens_per_s=tps, prompt_tokens=len(prompt))
@@ -139,7 +140,8 @@ def _check_schema(ctx: DoctorContext, engine: Engine, st: StageResult, rows: lis
 
 def _check_tool_call(ctx: DoctorContext, engine: Engine, st: StageResult, rows: list[list[object]]) -> None:
     from tools.calls import CallDone, ToolCallParser
-    from tools.formats import detect_format, render_prompt
+    from tools.formats import detect_format
+    from tools.prompt import render_prompt
     from tools.schema import parse_tools
 
     tok = ctx.loaded.tokenizer
