@@ -22,12 +22,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import cast
 
 import torch
 
+from engine.admission import Admission
 from engine.distributed.parallel import SINGLE, ParallelContext
+from engine.engine_config import EngineConfig
 from engine.grammar import GrammarHook, Matcher
 from engine.kv_connector import KVConnector, NoConnector
 from engine.kv_tiers import build_tiers, kv_namespace, kv_stats
@@ -39,8 +40,6 @@ from engine.output_processor import OutputProcessor
 from engine.prefill_rate import PrefillRate
 from engine.request import (
     ConsumerGone,
-    ContextTooLong,
-    EngineOverloaded,
     FinishReason,
     Request,
     RequestHandle,
@@ -56,51 +55,6 @@ from kvstore.prefix import max_cached_pages, page_hashes
 from kvstore.tiers import TieredStore
 
 log = logging.getLogger("longctx.engine")
-
-
-class EngineClosed(RuntimeError):
-    """`add_request` after `shutdown()`."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    kv_cache_bytes: int = 1 << 30
-    page_size: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    attention_backend: str = "auto"
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    threads: int = 0  # CPU threads for torch (0 = leave torch's default)
-    enable_prefix_caching: bool = True
-    host_cache_bytes: int = 0  # host tier for pages evicted from the device pool (0 = none)
-    kv_redis_url: str | None = None  # Redis KV tier (None = none)
-    kv_redis_ttl: int = 86_400  # seconds
-    kv_redis_prefix: str = "kv"  # keys are {prefix}:{namespace}:{page hash}
-    kv_dtype: str = "auto"  # storage dtype in the host and Redis tiers: auto (the model's) or int8
-    kv_redis_max_pending_bytes: int = 256 << 20  # page copies waiting to be written to Redis; more are dropped
-    kv_lookup_timeout_s: float = 5.0  # the longest a request waits for host/Redis pages (less when recomputing wins)
-    max_prefill_tokens_per_request: int | None = None  # a chunk's cap while others wait (None: budget/2)
-    max_queued: int = 256  # requests added and not yet running; past it add_request raises EngineOverloaded
-
-    def __post_init__(self) -> None:
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.kv_dtype not in ("auto", "int8", "float32", "bfloat16", "float16"):
-            raise ValueError(f"kv_dtype must be auto, int8 or a float dtype, got {self.kv_dtype!r}")
-        if self.max_prefill_tokens_per_request is not None and self.max_prefill_tokens_per_request < 1:
-            raise ValueError(
-                f"max_prefill_tokens_per_request must be >= 1 (or None), got {self.max_prefill_tokens_per_request}"
-            )
-        if self.max_queued < 1:
-            raise ValueError(f"max_queued must be >= 1, got {self.max_queued}")
-        if self.host_cache_bytes < 0 or self.kv_redis_ttl < 1:
-            raise ValueError("host_cache_bytes must be >= 0 and kv_redis_ttl >= 1")
-        if self.kv_redis_max_pending_bytes < 0 or self.kv_lookup_timeout_s < 0:
-            raise ValueError("kv_redis_max_pending_bytes and kv_lookup_timeout_s must be >= 0")
 
 
 class Engine:
@@ -167,13 +121,12 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._closing = threading.Lock()  # add_request vs shutdown: no request slips in after the last drain
-        self._closed = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        self._queued = 0  # added, not yet running or finished (any thread: under _queued_lock)
-        self._queued_lock = threading.Lock()
-        self._unstarted: set[Request] = set()  # drained from the inbox, counted in _queued
+        self.admission = Admission(
+            config.max_queued, self.max_model_len, self.capacity_tokens, self.model_config.vocab_size,
+            tokenizer is not None,
+        )  # fmt: skip
         self._snapshot = EngineSnapshot(free_pages=self.pool.num_free, total_pages=self.pool.num_pages)
         log.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %s); backend %s",
@@ -196,24 +149,11 @@ class Engine:
         cache_salt: str = "",
         matcher: Matcher | None = None,
     ) -> RequestHandle:
-        """Queue a request; raises ContextTooLong at once if it can never fit."""
+        """Queue a request; raises ContextTooLong (or ValueError) at once if it can never run,
+        EngineOverloaded past `max_queued`, EngineClosed after `shutdown()`."""
         params = params or SamplingParams()
-        if not prompt_token_ids:
-            raise ValueError("prompt_token_ids: the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt_token_ids: token ids must be in [0, {vocab})")
-        needed = len(prompt_token_ids) + params.max_tokens
-        if needed > self.max_model_len:
-            raise ContextTooLong(needed, self.max_model_len, "model's context")
-        if needed > self.capacity_tokens:
-            raise ContextTooLong(needed, self.capacity_tokens, "KV cache capacity")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer")
-        with self._queued_lock:  # the one admission limit: never queue without bound
-            if self._queued >= self.config.max_queued:
-                raise EngineOverloaded(self._queued, self.config.max_queued)
-            self._queued += 1
+        self.admission.check(prompt_token_ids, params)
+        self.admission.enter()
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         handle = RequestHandle(rid, self.abort)
         req = Request(rid, list(prompt_token_ids), params, handle, cache_salt=cache_salt, matcher=matcher)
@@ -222,12 +162,7 @@ class Engine:
 
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.skip_special_tokens)
             req.stopper = StopChecker(params.stop)
-        with self._closing:
-            if self._closed:
-                with self._queued_lock:
-                    self._queued -= 1
-                raise EngineClosed("the engine has been shut down")
-            self._inbox.put(("add", req))
+        self.admission.submit(lambda: self._inbox.put(("add", req)))
         self._wake.set()
         return handle
 
@@ -260,7 +195,7 @@ class Engine:
         """One step: schedule -> run -> sample -> postprocess. Returns False when idle."""
         self._drain_inbox()
         chunks = self.scheduler.schedule()
-        self._leave_queue([c.request for c in chunks if c.request in self._unstarted])
+        self.admission.started(c.request for c in chunks)
         self.stats.preemptions = self.scheduler.num_preemptions
         if not chunks:
             self._publish()
@@ -325,8 +260,7 @@ class Engine:
         if r.finished:
             return
         r.finished = True
-        if r in self._unstarted:
-            self._leave_queue([r])
+        self.admission.started([r])
         self._requests.pop(r.id, None)
         self.stats.count_finished(reason.value)
         self.stats.e2e.observe(time.monotonic() - r.arrival)
@@ -359,9 +293,9 @@ class Engine:
                 return
             if kind == "add":
                 assert isinstance(item, Request)
-                self._unstarted.add(item)
+                self.admission.track(item)
                 if item.id in self._requests:
-                    self._leave_queue([item])
+                    self.admission.started([item])
                     self._push_final(item, FinishReason.ERROR, f"request id {item.id!r} already in use")
                     continue
                 self._requests[item.id] = item
@@ -374,17 +308,11 @@ class Engine:
                 hashes, answer = cast("tuple[list[bytes], Future[int]]", item)
                 answer.set_result(self._on_device(hashes))
 
-    def _leave_queue(self, reqs: list[Request]) -> None:
-        """These requests started running or finished: they no longer count against max_queued."""
-        if reqs:
-            self._unstarted.difference_update(reqs)
-            with self._queued_lock:
-                self._queued -= len(reqs)
-
     def _publish(self) -> None:
         s, st = self.scheduler, self.stats
         self._snapshot = EngineSnapshot(
-            len(s.running), len(s.waiting), len(s.loading), self._queued, self.pool.num_free, self.pool.num_pages,
+            len(s.running), len(s.waiting), len(s.loading), self.admission.queued, self.pool.num_free,
+            self.pool.num_pages,
             s.num_preemptions, st.prompt_tokens_computed, st.generated_tokens, st.finished, st.steps,
         )  # fmt: skip
 
@@ -470,8 +398,7 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the loop and end every open request with `FinishReason.ABORT`, so that every
         consumer (blocking or async) returns; `add_request` raises `EngineClosed` from now on."""
-        with self._closing:
-            self._closed = True
+        self.admission.close()
         self._stop.set()
         self._wake.set()
         stuck = False
@@ -490,8 +417,7 @@ class Engine:
                 except queue.Empty:
                     break
                 if kind == "add" and isinstance(item, Request):
-                    self._unstarted.add(item)
-                    self._leave_queue([item])
+                    self.admission.leave()
                     self._push_final(item, FinishReason.ABORT)
                 elif kind == "query":
                     hashes, answer = cast("tuple[list[bytes], Future[int]]", item)

@@ -39,6 +39,10 @@ class EngineOverloaded(RuntimeError):
         super().__init__(f"{queued} requests already queued (max_queued={limit}); retry in {retry_after_s:.0f} s")
 
 
+class EngineClosed(RuntimeError):
+    """`add_request` after `shutdown()`."""
+
+
 class FinishReason(StrEnum):
     STOP = "stop"  # end-of-sequence token, stop token, stop string or finished grammar
     LENGTH = "length"  # max_tokens

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.engine import Engine, EngineClosed, EngineConfig
+from engine.engine import Engine, EngineConfig
 from engine.output_processor import DEAD_END
-from engine.request import FinishReason, RequestHandle, RequestOutput
+from engine.request import EngineClosed, FinishReason, RequestHandle, RequestOutput
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import build_tiny, one_thread
 
