@@ -26,7 +26,6 @@ typecheck: $(STAMP)
 # Tests use LONGCTX_TEST_REDIS_URL (default redis://127.0.0.1:6379/15) or, when none answers, a
 # private redis-server of their own; tests that stop, pause or fill Redis, and the managed mode of
 # `longctx serve`, always start their own: install redis-server when it is missing.
-TEST_REDIS_URL ?= $(or $(LONGCTX_TEST_REDIS_URL),redis://127.0.0.1:6379/15)
 redis: $(STAMP)
 	@command -v redis-server >/dev/null || \
 		( (apt-get update -q && apt-get install -y -q redis-server) || \
