@@ -1,0 +1,343 @@
+"""The body of `POST /v1/responses`: decoded as a msgspec Struct, then checked into a `ResponseRequest`.
+
+`decode_request` accepts what clients send (unknown fields ignored, `null` as "not given") and
+checks everything that can be checked without Redis or the engine, so that a bad request fails
+before any write or engine call. Every failure is an `InvalidParam` whose `param` is the
+offending field's path (`tools[1].type`, `text.format.schema`, `input[2].call_id`), mapped to
+one 400 by the HTTP layer.
+
+Tools, `tool_choice` and `text.format` arrive in the Responses API's flat shapes; they are
+checked here and handed to `tools.grammar.GrammarCompiler.for_request` in the Chat shapes it
+also takes (`chat_tools`, `chat_tool_choice`, `response_format`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+from sessions.items import InvalidItem, Item, parse_input
+from sessions.models import (
+    ConversationRef,
+    FunctionTool,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    ReasoningConfig,
+    Response,
+    TextConfig,
+    TextFormat,
+    TextFormatText,
+    ToolChoice,
+    ToolChoiceFunction,
+)
+
+# Tool types of OpenAI's hosted tools: named in the error, since only function tools run here.
+HOSTED_TOOLS = frozenset({
+    "web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11", "file_search",
+    "mcp", "code_interpreter", "computer_use_preview", "computer_use", "image_generation", "local_shell",
+    "shell", "apply_patch", "custom",
+})  # fmt: skip
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+MAX_METADATA = 16
+
+
+class InvalidParam(ValueError):
+    """A request field the server cannot accept; `param` is its path in the request body."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_request_error"):
+        super().__init__(f"{param}: {message}")
+        self.param, self.message, self.code = param, message, code
+
+
+class CreateResponseBody(msgspec.Struct, kw_only=True):
+    """`POST /v1/responses` as sent; unknown fields are ignored (msgspec's default)."""
+
+    model: str | None = None
+    input: str | list[Any] | None = None
+    instructions: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    previous_response_id: str | None = None
+    conversation: str | ConversationRef | None = None
+    store: bool | None = None
+    background: bool | None = None
+    stream: bool | None = None
+    context_management: list[dict[str, Any]] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    reasoning: ReasoningConfig | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    service_tier: str | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class ResponseRequest:
+    """A checked request. `input_items` have ids; `tools` are the echoed function tools."""
+
+    body: CreateResponseBody
+    input_items: list[Item]
+    tools: list[FunctionTool] = field(default_factory=list)
+    tool_choice: ToolChoice = "auto"
+    text: TextConfig = field(default_factory=TextConfig)
+    conversation_id: str | None = None
+
+    @property
+    def store(self) -> bool:
+        return self.body.store is not False
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.stream)
+
+    @property
+    def background(self) -> bool:
+        return bool(self.body.background)
+
+    @property
+    def thinking(self) -> bool:
+        """False when `reasoning.effort` is `none`: the template's thinking switch goes off."""
+        return not (self.body.reasoning is not None and self.body.reasoning.effort == "none")
+
+    def chat_tools(self) -> list[dict[str, Any]]:
+        """The tools in Chat Completions' shape (`tools.schema.parse_tools` takes it)."""
+        out = []
+        for t in self.tools:
+            fn: dict[str, Any] = {"name": t.name, "parameters": t.parameters}
+            if t.description:
+                fn["description"] = t.description
+            if t.strict is not None:
+                fn["strict"] = t.strict
+            out.append({"type": "function", "function": fn})
+        return out
+
+    def chat_tool_choice(self) -> Any:
+        c = self.tool_choice
+        return {"type": "function", "function": {"name": c.name}} if isinstance(c, ToolChoiceFunction) else c
+
+    def response_format(self) -> dict[str, Any] | None:
+        """`text.format` in Chat's `response_format` shape; None for free text."""
+        f = self.text.format
+        if isinstance(f, JsonSchemaFormat):
+            return {"type": "json_schema", "json_schema": {"name": f.name, "schema": f.schema, "strict": f.strict}}
+        if isinstance(f, JsonObjectFormat):
+            return {"type": "json_object"}
+        return None
+
+    def response(self, model: str, max_output_tokens: int | None) -> Response:
+        """The response object this request starts (`in_progress`, or `queued` in the background)."""
+        b = self.body
+        return Response(
+            model=model,
+            status="queued" if self.background else "in_progress",
+            instructions=b.instructions,
+            temperature=1.0 if b.temperature is None else b.temperature,
+            top_p=1.0 if b.top_p is None else b.top_p,
+            presence_penalty=b.presence_penalty or 0.0,
+            frequency_penalty=b.frequency_penalty or 0.0,
+            top_logprobs=b.top_logprobs or 0,
+            max_output_tokens=max_output_tokens,
+            max_tool_calls=b.max_tool_calls,
+            tools=list(self.tools),
+            tool_choice=self.tool_choice,
+            parallel_tool_calls=b.parallel_tool_calls is not False,
+            text=self.text,
+            truncation=b.truncation or "disabled",
+            store=self.store,
+            background=self.background,
+            previous_response_id=b.previous_response_id,
+            conversation=ConversationRef(self.conversation_id) if self.conversation_id else None,
+            metadata=dict(b.metadata or {}),
+            reasoning=_reasoning(b.reasoning),
+            service_tier=b.service_tier or "default",
+            safety_identifier=b.safety_identifier,
+            prompt_cache_key=b.prompt_cache_key,
+        )
+
+
+_decoder = msgspec.json.Decoder(CreateResponseBody)
+
+
+def decode_request(raw: bytes | dict[str, Any] | CreateResponseBody) -> ResponseRequest:
+    """A checked request from the JSON body (bytes), decoded JSON, or a decoded Struct.
+
+    Raises:
+        InvalidParam: naming the first bad field.
+    """
+    try:
+        if isinstance(raw, CreateResponseBody):
+            body = raw
+        elif isinstance(raw, dict):
+            body = msgspec.convert({k: v for k, v in raw.items() if v is not None}, CreateResponseBody)
+        else:
+            body = _decoder.decode(raw)
+    except msgspec.ValidationError as e:
+        message, _, path = str(e).partition(" - at `$")
+        raise InvalidParam(path.rstrip("`").lstrip(".") or "body", message) from None
+    except msgspec.DecodeError as e:
+        raise InvalidParam("body", f"malformed JSON: {e}") from None
+    return check(body)
+
+
+def check(body: CreateResponseBody) -> ResponseRequest:
+    """Every check of the body that needs neither Redis nor the engine (see the module docstring)."""
+    if body.conversation is not None and body.previous_response_id is not None:
+        raise InvalidParam("conversation", "cannot be used together with previous_response_id")
+    if body.background and body.store is False:
+        raise InvalidParam("background", "a background response must be stored (store: true)")
+    _check_sampling(body)
+    try:
+        items = parse_input(body.input if body.input is not None else [])
+    except InvalidItem as e:
+        raise InvalidParam(e.param, e.message) from None
+    if not items and body.previous_response_id is None and body.conversation is None:
+        raise InvalidParam("input", "input is required (a string or a list of items)")
+    tools = _parse_tools(body.tools or [])
+    choice = _parse_tool_choice(body.tool_choice, tools)
+    text = _parse_text(body.text)
+    conv = body.conversation
+    conv_id = conv if isinstance(conv, str) else conv.id if conv is not None else None
+    _check_context_management(body.context_management)
+    if body.reasoning is not None and body.reasoning.effort not in (None, *EFFORTS):
+        raise InvalidParam("reasoning.effort", f"expected one of {', '.join(EFFORTS)}, got {body.reasoning.effort!r}")
+    return ResponseRequest(body, items, tools, choice, text, conv_id)
+
+
+def _check_sampling(b: CreateResponseBody) -> None:
+    if b.temperature is not None and not 0 <= b.temperature <= 2:
+        raise InvalidParam("temperature", f"must be in [0, 2], got {b.temperature}")
+    if b.top_p is not None and not 0 < b.top_p <= 1:
+        raise InvalidParam("top_p", f"must be in (0, 1], got {b.top_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(b, name)
+        if v is not None and not -2 <= v <= 2:
+            raise InvalidParam(name, f"must be in [-2, 2], got {v}")
+    if b.max_output_tokens is not None and b.max_output_tokens < 1:
+        raise InvalidParam("max_output_tokens", f"must be >= 1, got {b.max_output_tokens}")
+    if b.top_logprobs is not None and not 0 <= b.top_logprobs <= 20:
+        raise InvalidParam("top_logprobs", f"must be in [0, 20], got {b.top_logprobs}")
+    meta = b.metadata or {}
+    if len(meta) > MAX_METADATA:
+        raise InvalidParam("metadata", f"at most {MAX_METADATA} keys, got {len(meta)}")
+    for k, v in meta.items():
+        if len(k) > 64 or len(v) > 512:
+            raise InvalidParam(f"metadata.{k}", "keys are at most 64 characters and values at most 512")
+
+
+def _parse_tools(raw: list[Any]) -> list[FunctionTool]:
+    tools: list[FunctionTool] = []
+    seen: set[str] = set()
+    for i, t in enumerate(raw):
+        at = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise InvalidParam(at, "a tool must be an object")
+        kind = t.get("type", "function")
+        if kind in HOSTED_TOOLS:
+            raise InvalidParam(f"{at}.type", f"tool type {kind!r} is not supported: function tools only")
+        if kind != "function":
+            raise InvalidParam(f"{at}.type", f"unknown tool type {kind!r}; only function tools are supported")
+        fn = t["function"] if isinstance(t.get("function"), dict) else t  # the Chat shape, leniently
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidParam(f"{at}.name", "a function tool needs its name")
+        if name in seen:
+            raise InvalidParam(f"{at}.name", f"duplicate tool name {name!r}")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise InvalidParam(f"{at}.parameters", "expected a JSON Schema object")
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidParam(f"{at}.strict", f"expected true, false or null, got {strict!r}")
+        desc = fn.get("description")
+        tools.append(FunctionTool(name=name, description=desc if isinstance(desc, str) else None,
+                                  parameters=params, strict=strict))  # fmt: skip
+    return tools
+
+
+def _parse_tool_choice(raw: Any, tools: list[FunctionTool]) -> ToolChoice:
+    if raw is None:
+        return "auto"
+    if raw in ("none", "auto"):
+        return raw  # type: ignore[no-any-return]
+    if raw == "required":
+        if not tools:
+            raise InvalidParam("tool_choice", "'required' needs tools, but the request declares none")
+        return "required"
+    if isinstance(raw, dict) and raw.get("type") == "function":
+        fn = raw.get("function")
+        if isinstance(fn, dict):
+            name, at = fn.get("name"), "tool_choice.function.name"
+        else:
+            name, at = raw.get("name"), "tool_choice.name"
+        if not isinstance(name, str):
+            raise InvalidParam(at, "expected the function's name")
+        if name not in {t.name for t in tools}:
+            raise InvalidParam(at, f"function {name!r} is not among the declared tools")
+        return ToolChoiceFunction(name=name)
+    if isinstance(raw, dict) and raw.get("type") in HOSTED_TOOLS:
+        raise InvalidParam("tool_choice.type", f"tool type {raw['type']!r} is not supported: function tools only")
+    raise InvalidParam("tool_choice", f"expected none, auto, required or a function, got {raw!r}")
+
+
+def _parse_text(raw: dict[str, Any] | None) -> TextConfig:
+    if raw is None:
+        return TextConfig()
+    fmt = raw.get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise InvalidParam("text.format", "expected an object with a 'type'")
+    kind = (fmt or {}).get("type", "text")
+    parsed: TextFormat
+    if kind == "text":
+        parsed = TextFormatText()
+    elif kind == "json_object":
+        parsed = JsonObjectFormat()
+    elif kind == "json_schema":
+        assert fmt is not None
+        if not isinstance(fmt.get("schema"), dict):
+            raise InvalidParam("text.format.schema", "a json_schema format needs its JSON Schema (an object)")
+        name = fmt.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidParam("text.format.name", "a json_schema format needs a name")
+        strict = fmt.get("strict")
+        desc = fmt.get("description")
+        parsed = JsonSchemaFormat(name=name, schema=fmt["schema"], strict=strict if isinstance(strict, bool) else None)
+        if isinstance(desc, str):
+            parsed.description = desc
+    else:
+        raise InvalidParam("text.format.type", f"unknown type {kind!r}; expected text, json_object or json_schema")
+    verbosity = raw.get("verbosity")
+    if verbosity is not None and verbosity not in ("low", "medium", "high"):
+        raise InvalidParam("text.verbosity", f"expected low, medium or high, got {verbosity!r}")
+    text = TextConfig(format=parsed)
+    if verbosity is not None:
+        text.verbosity = verbosity
+    return text
+
+
+def _check_context_management(raw: list[dict[str, Any]] | None) -> None:
+    for i, entry in enumerate(raw or []):
+        if entry.get("type") != "compaction":
+            raise InvalidParam(f"context_management[{i}].type", f"expected 'compaction', got {entry.get('type')!r}")
+        threshold = entry.get("compact_threshold")
+        if threshold is not None and (not isinstance(threshold, int) or threshold < 1):
+            raise InvalidParam(f"context_management[{i}].compact_threshold", "expected a positive number of tokens")
+
+
+def _reasoning(r: ReasoningConfig | None) -> ReasoningConfig | None:
+    # Open Responses: reasoning is null or carries both effort and summary.
+    return None if r is None else ReasoningConfig(effort=r.effort, summary=r.summary)
