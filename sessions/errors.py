@@ -6,6 +6,7 @@
     Conflict          409  the write contradicts stored state (a duplicate item id, a final
                            response overwritten, an event out of sequence): nothing was written
     ChainTooLong      400  a previous_response_id chain deeper than the store walks
+    RequestInProgress 409  an Idempotency-Key repeat while the first request runs
     StoreUnavailable  503  Redis did not answer within the retry budget
     UnsuitableServer  —    refused at start: the server would lose conversations
 
@@ -82,3 +83,11 @@ def from_script_error(e: redis.ResponseError, subject: str) -> StoreError | None
     if code == "LC_CHAIN":
         return ChainTooLong(subject, int(detail))
     return None
+
+
+class RequestInProgress(Conflict):
+    """409: an Idempotency-Key repeat while the first request with that key is still running."""
+
+    def __init__(self, response_id: str):
+        super().__init__(f"a request with this Idempotency-Key is still running (response {response_id!r})")
+        self.response_id = response_id
