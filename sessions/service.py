@@ -120,23 +120,24 @@ class SessionService:
         )  # fmt: skip
 
     async def _start(self, plan: TurnPlan, stream: bool) -> Any:
+        """The turn runs as its own task, so that a caller who leaves (a cancelled request, a closed
+        stream) stops the generation but never the commit."""
         writer = plan.assembler.writer
         turn = Turn(self.engine, self.store, plan, writer, self.config.lease_renew_s)
         self.running[turn.id] = turn
+        events = EventStream(turn)
         if stream:
-            events = EventStream(turn)
             writer.sink = events.sink
-            events.start()
-            assert events.task is not None
-            events.task.add_done_callback(lambda _: self.running.pop(turn.id, None))
+        task = events.start().task
+        assert task is not None
+        task.add_done_callback(lambda _: self.running.pop(turn.id, None))
+        if stream:
             return events
         try:
-            return await turn.run()
-        except asyncio.CancelledError:  # the caller left: the turn ends (and commits) on its own
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
             turn.stop("client_disconnected")
             raise
-        finally:
-            self.running.pop(turn.id, None)
 
     async def _repeat(self, tenant: str, first: str, stream: bool) -> Any:
         """An Idempotency-Key repeat: the first response once final (409 while it runs)."""
