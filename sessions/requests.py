@@ -230,12 +230,21 @@ def _check_sampling(b: CreateResponseBody) -> None:
         raise InvalidParam("max_output_tokens", f"must be >= 1, got {b.max_output_tokens}")
     if b.top_logprobs is not None and not 0 <= b.top_logprobs <= 20:
         raise InvalidParam("top_logprobs", f"must be in [0, 20], got {b.top_logprobs}")
-    meta = b.metadata or {}
-    if len(meta) > MAX_METADATA:
-        raise InvalidParam("metadata", f"at most {MAX_METADATA} keys, got {len(meta)}")
-    for k, v in meta.items():
+    check_metadata(b.metadata)
+
+
+def check_metadata(metadata: Any) -> dict[str, str]:
+    """Metadata as the API allows it: at most 16 string pairs, keys <= 64 and values <= 512 chars."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise InvalidParam("metadata", "expected an object of string values")
+    if len(metadata) > MAX_METADATA:
+        raise InvalidParam("metadata", f"at most {MAX_METADATA} keys, got {len(metadata)}")
+    for k, v in metadata.items():
         if len(k) > 64 or len(v) > 512:
             raise InvalidParam(f"metadata.{k}", "keys are at most 64 characters and values at most 512")
+    return dict(metadata)
 
 
 def _parse_tools(raw: list[Any]) -> list[FunctionTool]:

@@ -23,6 +23,7 @@ from engine.loading.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from sessions.config import ServiceConfig
 from sessions.context import load_context
+from sessions.conversation_api import ConversationAPI, check_page
 from sessions.errors import NotFound, RequestInProgress
 from sessions.event_stream import EventStream, replay
 from sessions.events import Event, EventWriter
@@ -62,6 +63,7 @@ class SessionService:
         self.config = config or ServiceConfig()
         self.reasoning = uses_reasoning(tokenizer.chat_template)
         self.running: dict[str, Turn] = {}
+        self.conversations = ConversationAPI(store)
 
     # ---- create ----
 
@@ -222,7 +224,7 @@ class SessionService:
     async def input_items(
         self, tenant: str, resp_id: str, after: str | None = None, limit: int = 20, order: str = "desc"
     ) -> Any:
-        _check_page(limit, order)
+        check_page(limit, order)
         return await self.store.responses.list_input_items(tenant, resp_id, after, limit, order)  # type: ignore[arg-type]
 
     async def cancel(self, tenant: str, resp_id: str) -> Any:
@@ -231,13 +233,6 @@ class SessionService:
         if not response.background:
             raise InvalidParam("response_id", "only background responses can be cancelled")
         return response
-
-
-def _check_page(limit: int, order: str) -> None:
-    if not 1 <= limit <= 100:
-        raise InvalidParam("limit", f"must be 1..100, got {limit}")
-    if order not in ("asc", "desc"):
-        raise InvalidParam("order", f"must be 'asc' or 'desc', got {order!r}")
 
 
 def _param(e: Exception, req: ResponseRequest, default: str) -> str:
