@@ -1,4 +1,5 @@
-"""A foreground response's events as an async iterator, fed by its running turn.
+"""A response's events as an async iterator: a foreground one fed by its running turn, a
+background one read from the store.
 
 The turn runs as its own task and pushes each event into a queue; the consumer (an SSE response)
 reads them. A consumer that leaves early (closes the iterator, or its task is cancelled when the
@@ -12,7 +13,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sessions.events import Event
+import msgspec
+
+from sessions.events import TERMINAL_EVENTS, Event
+from sessions.store import SessionStore
 from sessions.turn import Turn
 
 _END: Any = object()
@@ -72,3 +76,25 @@ async def replay(events: list[Event]) -> AsyncIterator[Event]:
     """A stream of events already made (an idempotent repeat of a finished stream)."""
     for event in events:
         yield event
+
+
+_FINAL = frozenset(TERMINAL_EVENTS.values())
+
+
+async def stored_events(
+    store: SessionStore, tenant: str, resp_id: str, starting_after: int | None = None, block_ms: int = 5000
+) -> AsyncIterator[Event]:
+    """A background response's events from the store (`store.events`) after `starting_after`,
+    waiting for new ones until its terminal event (a response already final with no events
+    left ends the stream too). NotFound for an unknown response."""
+    last = starting_after
+    while True:
+        batch = await store.events.read(tenant, resp_id, last, block_ms=block_ms)
+        for e in batch:
+            event: Event = msgspec.json.decode(e.data)
+            last = e.seq
+            yield event
+            if event.get("type") in _FINAL:
+                return
+        if not batch and (await store.responses.get(tenant, resp_id)).terminal:
+            return

@@ -40,12 +40,17 @@ async def _discard(event: Event) -> None:
 class EventWriter:
     """Numbers events and passes them to `sink` (see the module docstring)."""
 
-    def __init__(self, sink: Sink | None = None, first: int = 0):
+    def __init__(self, sink: Sink | None = None, first: int = 0, extra: dict[str, Any] | None = None):
+        """Args:
+        first: the first sequence number (a rerun continues after the events already stored).
+        extra: fields every event carries (`{"attempt": 2}` for a background rerun).
+        """
         self.sink = sink or _discard
         self.next = first
+        self.extra = extra or {}
 
     async def emit(self, type: str, **fields: Any) -> Event:
-        event: Event = {"type": type, "sequence_number": self.next, **fields}
+        event: Event = {"type": type, "sequence_number": self.next, **fields, **self.extra}
         self.next += 1
         await self.sink(event)
         return event

@@ -18,16 +18,19 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from engine.engine import Engine
 from engine.loading.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from sessions.config import ServiceConfig
 from sessions.context import load_context
 from sessions.conversation_api import ConversationAPI, check_page
-from sessions.errors import NotFound, RequestInProgress
-from sessions.event_stream import EventStream, replay
+from sessions.errors import Conflict, NotFound, RequestInProgress
+from sessions.event_stream import EventStream, replay, stored_events
 from sessions.events import Event, EventWriter
 from sessions.ids import new_id
+from sessions.models import now
 from sessions.output import OutputAssembler
 from sessions.reasoning import ReasoningSplitter, opens_in_reasoning, uses_reasoning
 from sessions.render import build_prompt, render_text, to_messages
@@ -79,21 +82,34 @@ class SessionService:
         ConversationBusy and RequestInProgress (409), StoreUnavailable (503).
         """
         req = request if isinstance(request, ResponseRequest) else decode_request(request)
-        if req.background:
-            raise InvalidParam("background", "background responses are not served yet")
-        plan, undo = None, _Undo(self.store, tenant)
+        undo = _Undo(self.store, tenant)
         if idempotency_key is not None and req.store:
-            first = await undo.bind(idempotency_key, req)
+            first = await undo.bind(idempotency_key)
             if first is not None:
                 return await self._repeat(tenant, first, req.stream)
         try:
             plan = await self._plan(tenant, req, undo)
+            if req.background:
+                return await self._enqueue(plan, undo, req.stream)
+            turn = Turn(self.engine, self.store, plan, plan.assembler.writer, self.config.lease_renew_s)
+            turn.submit()
         except BaseException:
             await undo.run()
             raise
-        return await self._start(plan, req.stream)
+        return await self._start(turn, req.stream)
 
-    async def _plan(self, tenant: str, req: ResponseRequest, undo: _Undo) -> TurnPlan:
+    async def _enqueue(self, plan: TurnPlan, undo: _Undo, stream: bool) -> Any:
+        """A checked background request: stored `queued` with its input, then queued on the jobs
+        stream; the worker (`sessions.tasks`) plans it again from what is stored."""
+        if undo.lease is not None:  # the worker takes the lease when it runs the turn
+            await self.store.conversations.release_lease(*undo.lease)
+            undo.lease = None
+        await self.store.responses.save(plan.tenant, plan.response, plan.input_items)
+        await self.store.jobs.enqueue(plan.response.id, plan.tenant)
+        return self.stream_events(plan.tenant, plan.response.id) if stream else plan.response
+
+    async def _plan(self, tenant: str, req: ResponseRequest, undo: _Undo, priority: int = 0) -> TurnPlan:
+        """Every check of step 1 (see the module docstring), and what the turn needs."""
         specs = self._tools(req)
         resp_id = undo.resp_id or new_id("resp")
         fence = None
@@ -112,7 +128,7 @@ class SessionService:
         response = req.response(self.config.model, max_tokens)
         response.id = resp_id
         grammar = await asyncio.to_thread(self._grammar, req, specs)
-        params = self._params(req, max_tokens)
+        params = self._params(req, max_tokens, priority)
         writer = EventWriter()
         parser = ToolCallParser(self.tool_format, specs) if specs and req.tool_choice != "none" else None
         splitter = ReasoningSplitter(self.reasoning, self.reasoning and opens_in_reasoning(prompt.text))
@@ -121,16 +137,14 @@ class SessionService:
             OutputAssembler(writer, parser, splitter), req.store, req.conversation_id, fence, ctx.base_version,
         )  # fmt: skip
 
-    async def _start(self, plan: TurnPlan, stream: bool) -> Any:
+    async def _start(self, turn: Turn, stream: bool) -> Any:
         """The turn runs as its own task, so that a caller who leaves (a cancelled request, a closed
         stream) stops the generation but never the commit."""
-        writer = plan.assembler.writer
-        turn = Turn(self.engine, self.store, plan, writer, self.config.lease_renew_s)
         self.running[turn.id] = turn
         events = EventStream(turn)
         if stream:
-            writer.sink = events.sink
-        task = events.start().task
+            turn.writer.sink = events.sink
+        task = turn.task = events.start().task
         assert task is not None
         task.add_done_callback(lambda _: self.running.pop(turn.id, None))
         if stream:
@@ -199,9 +213,13 @@ class SessionService:
             )
         return asked if asked is not None else min(limit - prompt_len, cap)
 
-    def _params(self, req: ResponseRequest, max_tokens: int) -> SamplingParams:
+    def _params(self, req: ResponseRequest, max_tokens: int, priority: int = 0) -> SamplingParams:
         b = req.body
+        # engine priority (background: 1), where the engine has it
+        has_priority = "priority" in SamplingParams.__dataclass_fields__
+        extra: dict[str, Any] = {"priority": priority} if priority and has_priority else {}
         return SamplingParams(
+            **extra,
             max_tokens=max_tokens,
             temperature=1.0 if b.temperature is None else b.temperature,
             top_p=1.0 if b.top_p is None else b.top_p,
@@ -227,12 +245,30 @@ class SessionService:
         check_page(limit, order)
         return await self.store.responses.list_input_items(tenant, resp_id, after, limit, order)  # type: ignore[arg-type]
 
+    def stream_events(self, tenant: str, resp_id: str, starting_after: int | None = None) -> AsyncIterator[Event]:
+        """A background response's stored events after `starting_after`, live until its last one."""
+        return stored_events(self.store, tenant, resp_id, starting_after)
+
     async def cancel(self, tenant: str, resp_id: str) -> Any:
-        """Cancel a background response; a foreground one is a 400."""
+        """Cancel a background response (InvalidParam for a foreground one); a final one is returned
+        as it is. Running here, its turn stops and commits `cancelled`; queued or running on another
+        server, it is written `cancelled` (final: nothing overwrites it), which that server's worker
+        notices within `CANCEL_POLL_S` and stops."""
         response = await self.store.responses.get(tenant, resp_id)
         if not response.background:
             raise InvalidParam("response_id", "only background responses can be cancelled")
-        return response
+        if response.terminal:
+            return response
+        turn = self.running.get(resp_id)
+        if turn is not None and turn.task is not None:
+            turn.stop("cancelled")
+            return await asyncio.shield(turn.task)
+        cancelled = msgspec.structs.replace(response, status="cancelled", completed_at=now())
+        try:
+            await self.store.responses.save(tenant, cancelled)
+        except Conflict:  # it became final meanwhile
+            return await self.store.responses.get(tenant, resp_id)
+        return cancelled
 
 
 def _param(e: Exception, req: ResponseRequest, default: str) -> str:
@@ -255,7 +291,7 @@ class _Undo:
         self.resp_id: str | None = None
         self.lease: tuple[str, str, int] | None = None
 
-    async def bind(self, key: str, req: ResponseRequest) -> str | None:
+    async def bind(self, key: str) -> str | None:
         resp_id = new_id("resp")
         first = await self.store.remember_idempotency(self.tenant, key, resp_id)
         if first is None:

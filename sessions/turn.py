@@ -5,7 +5,7 @@
 lease every `renew_s` while it runs, then writes the final response exactly once:
 
     conversation   commit_turn: input + output items appended, response written, lease released
-                   (a failed turn appends nothing)
+                   (a failed or cancelled turn appends nothing)
     otherwise      responses.save with its input items and token ids (`previous_response_id`)
     store: false   nothing
 
@@ -77,6 +77,7 @@ class Turn:
         self.handle: RequestHandle | None = None
         self.stopped: StopWhy | None = None
         self.result: Response | None = None
+        self.task: asyncio.Task[Response] | None = None  # set by whoever runs it as a task
 
     @property
     def id(self) -> str:
@@ -89,15 +90,23 @@ class Turn:
         if self.handle is not None:
             self.handle.abort()
 
-    async def run(self) -> Response:
+    def submit(self) -> None:
+        """Add the engine request (raises the engine's overload or context errors, nothing started)."""
         p = self.plan
-        await self.writer.snapshot("response.created", p.response)
-        await self.writer.snapshot("response.in_progress", p.response)
-        self.handle = handle = self.engine.add_request(
+        self.handle = self.engine.add_request(
             p.prompt_ids, p.params, request_id=p.response.id, cache_salt=p.tenant, matcher=p.matcher
         )
+
+    async def run(self) -> Response:
+        p = self.plan
+        if self.handle is None:
+            self.submit()
+        handle = self.handle
+        assert handle is not None
         if self.stopped is not None:
             handle.abort()
+        await self.writer.snapshot("response.created", p.response)
+        await self.writer.snapshot("response.in_progress", p.response)
         renew = asyncio.create_task(self._renew()) if p.fence is not None else None
         output_ids: list[int] = []
         reasoning_tokens = cached = 0
@@ -160,15 +169,17 @@ class Turn:
                 assert p.fence is not None
                 await self.store.conversations.commit_turn(
                     p.tenant, p.conversation_id, p.fence, final, p.input_items, base_version=p.base_version,
-                    prompt_ids=p.prompt_ids, output_ids=output_ids, append=final.status != "failed",
+                    prompt_ids=p.prompt_ids, output_ids=output_ids, append=final.status not in ("failed", "cancelled"),
                 )  # fmt: skip
             else:
                 await self.store.responses.save(
                     p.tenant, final, p.input_items, prompt_ids=p.prompt_ids, output_ids=output_ids
                 )
         except (LeaseLost, Conflict) as e:
-            log.warning("response %s was not committed: %s", final.id, e)
             await self._release()
+            if self.stopped == "cancelled" and isinstance(e, Conflict):  # cancelled (and written) elsewhere
+                return msgspec.structs.replace(final, status="cancelled", incomplete_details=None)
+            log.warning("response %s was not committed: %s", final.id, e)
             return msgspec.structs.replace(final, status="failed", error=ResponseError("conflict", str(e)))
         except BaseException:
             await self._release()

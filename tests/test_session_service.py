@@ -7,77 +7,29 @@ change nothing; a dropped stream ends `incomplete`, committed once; Idempotency-
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import redis
 
-from engine.engine import Engine, EngineConfig
-from engine.loading.loader import LoadedModel
+from engine.engine import Engine
 from sessions.errors import ConversationBusy, RequestInProgress
 from sessions.event_stream import EventStream
 from sessions.items import FunctionCall, Message, text_of
 from sessions.models import Response
 from sessions.requests import InvalidParam
 from sessions.service import SessionService, collect
-from sessions.store import SessionStore, StoreConfig
-from tests.redis_server import shared_redis
-from tools.formats import detect_format
-from tools.grammar import GrammarCompiler, XGrammarHook
+from tests.session_engine import PAGE, TENANT, Run, compiler, engine, run, target
 
-T = TypeVar("T")
-TENANT = "t1"
-PAGE = 16
+__all__ = ["compiler", "engine", "run", "target"]  # fixtures
+
 QUESTIONS = ["What is the capital of France?", "And of Germany?", "And of Italy?"]
 GREEDY = {"temperature": 0, "max_output_tokens": 24}
 WEATHER = {
     "type": "function", "name": "get_weather",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def engine(demo_float32: LoadedModel) -> Iterator[Engine]:
-    lm = demo_float32
-    kv_bytes = 256 * PAGE * 46_080  # 4096 tokens of float32 KV
-    config = EngineConfig(kv_cache_bytes=kv_bytes, page_size=PAGE, attention_backend="torch_paged", threads=2)
-    eng = Engine(lm.model, lm.tokenizer, config, grammar_hook=XGrammarHook(max_threads=1)).start()
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def target() -> Iterator[tuple[str, str]]:
-    with shared_redis() as (url, prefix):
-        yield url, prefix
-
-
-@pytest.fixture(scope="module")
-def compiler(demo_float32: LoadedModel) -> GrammarCompiler:
-    return GrammarCompiler(demo_float32.tokenizer, demo_float32.config.vocab_size)
-
-
-Run = Callable[[Callable[[SessionService], Awaitable[Any]]], Any]
-
-
-@pytest.fixture
-def run(engine: Engine, target: tuple[str, str], compiler: GrammarCompiler) -> Run:
-    """Runs `body(service)` on a fresh store and event loop (the engine thread is shared)."""
-
-    def go(body: Callable[[SessionService], Awaitable[T]]) -> T:
-        async def main() -> T:
-            store = SessionStore.connect(target[0], StoreConfig(prefix=target[1]))
-            tok = engine.tokenizer
-            assert tok is not None
-            try:
-                return await body(SessionService(engine, store, tok, compiler, detect_format(tok)))
-            finally:
-                await store.close()
-
-        return asyncio.run(main())
-
-    return go
 
 
 def dump(target: tuple[str, str]) -> dict[bytes, Any]:
