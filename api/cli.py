@@ -31,6 +31,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=_parse_bytes, default=_parse_bytes("1GiB"), help="e.g. 512MiB, 4GB")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    p.add_argument(
+        "--max-prefill-tokens-per-request",
+        type=int,
+        default=None,
+        help="a prompt's share of the step budget while others wait (default: half the budget)",
+    )
+    p.add_argument("--max-queued", type=int, default=256, help="requests queued before new ones are refused")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_paged", "flashinfer"])
     p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0 = torch's default, or cores/N)")
     p.add_argument("--host-cache-bytes", type=_parse_bytes, default=0, help="host KV tier budget (0 = none)")
@@ -71,6 +78,8 @@ def _generate(args: argparse.Namespace) -> int:
         kv_cache_bytes=args.kv_cache_bytes,
         page_size=args.page_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_tokens_per_request=args.max_prefill_tokens_per_request,
+        max_queued=args.max_queued,
         attention_backend=args.attention_backend,
         host_cache_bytes=args.host_cache_bytes,
         kv_redis_url=args.kv_redis_url,

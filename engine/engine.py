@@ -13,7 +13,9 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -27,6 +29,7 @@ from engine.model.model import CausalLM
 from engine.model_runner import Chunk, ModelRunner
 from engine.request import (
     ContextTooLong,
+    EngineOverloaded,
     FinishReason,
     Request,
     RequestHandle,
@@ -36,7 +39,9 @@ from engine.request import (
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
+from engine.snapshot import EngineSnapshot
 from kvstore.block_pool import BlockPool
+from kvstore.prefix import max_cached_pages, page_hashes
 from kvstore.tiers import TieredStore
 
 log = logging.getLogger("longctx.engine")
@@ -58,6 +63,8 @@ class EngineConfig:
     kv_redis_prefix: str = "kv"  # keys are {prefix}:{namespace}:{page hash}
     kv_dtype: str = "auto"  # storage dtype in the host and Redis tiers: auto (the model's) or int8
     kv_lookup_timeout_s: float = 0.1  # a host/Redis lookup slower than this counts as a miss
+    max_prefill_tokens_per_request: int | None = None  # a chunk's cap while others wait (None: budget/2)
+    max_queued: int = 256  # requests added and not yet running; past it add_request raises EngineOverloaded
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -68,6 +75,12 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.kv_dtype not in ("auto", "int8", "float32", "bfloat16", "float16"):
             raise ValueError(f"kv_dtype must be auto, int8 or a float dtype, got {self.kv_dtype!r}")
+        if self.max_prefill_tokens_per_request is not None and self.max_prefill_tokens_per_request < 1:
+            raise ValueError(
+                f"max_prefill_tokens_per_request must be >= 1 (or None), got {self.max_prefill_tokens_per_request}"
+            )
+        if self.max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {self.max_queued}")
         if self.host_cache_bytes < 0 or self.kv_redis_ttl < 1:
             raise ValueError("host_cache_bytes must be >= 0 and kv_redis_ttl >= 1")
 
@@ -132,6 +145,7 @@ class Engine:
             namespace=self.namespace if config.enable_prefix_caching else None,
             connector=self.connector,
             lookup_timeout_s=config.kv_lookup_timeout_s,
+            max_prefill_tokens_per_request=config.max_prefill_tokens_per_request,
         )
         self.sampler = Sampler()
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -143,6 +157,10 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
+        self._queued = 0  # added, not yet running or finished (any thread: under _queued_lock)
+        self._queued_lock = threading.Lock()
+        self._unstarted: set[Request] = set()  # drained from the inbox, counted in _queued
+        self._snapshot = EngineSnapshot(free_pages=self.pool.num_free, total_pages=self.pool.num_pages)
         log.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %s); backend %s",
             self.kv_cache.num_pages, self.kv_spec.page_size, self.capacity_tokens, self.kv_cache.num_bytes / 1e6,
@@ -178,6 +196,10 @@ class Engine:
             raise ContextTooLong(needed, self.capacity_tokens, "KV cache capacity")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
+        with self._queued_lock:  # the one admission limit: never queue without bound
+            if self._queued >= self.config.max_queued:
+                raise EngineOverloaded(self._queued, self.config.max_queued)
+            self._queued += 1
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         handle = RequestHandle(rid, self.abort)
         req = Request(rid, list(prompt_token_ids), params, handle, cache_salt=cache_salt, matcher=matcher)
@@ -201,7 +223,9 @@ class Engine:
         """One step: schedule -> run -> sample -> postprocess. Returns False when idle."""
         self._drain_inbox()
         chunks = self.scheduler.schedule()
+        self._leave_queue([c.request for c in chunks if c.request in self._unstarted])
         if not chunks:
+            self._publish()
             return False
         logits = self._run(chunks)
         self.scheduler.computed([c.request for c in chunks])
@@ -209,6 +233,7 @@ class Engine:
         if sampled:
             self._sample_and_emit([chunks[i].request for i in sampled], logits[sampled])
         self.stats.steps += 1
+        self._publish()
         return True
 
     def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -276,6 +301,8 @@ class Engine:
 
     def _finish(self, r: Request) -> None:
         r.finished = True
+        if r in self._unstarted:
+            self._leave_queue([r])
         self.scheduler.finish(r)
         self._requests.pop(r.id, None)
         self.stats.finished += 1
@@ -288,7 +315,9 @@ class Engine:
                 return
             if kind == "add":
                 assert isinstance(item, Request)
+                self._unstarted.add(item)
                 if item.id in self._requests:
+                    self._leave_queue([item])
                     item.handle.push(self._final(item, FinishReason.ERROR, f"request id {item.id!r} already in use"))
                     continue
                 self._requests[item.id] = item
@@ -298,10 +327,68 @@ class Engine:
                 if req is not None:
                     req.handle.push(self._final(req, FinishReason.ABORT))
                     self._finish(req)
+            elif kind == "query":  # from cached_prefix_tokens on another thread
+                hashes, answer = cast("tuple[list[bytes], Future[int]]", item)
+                answer.set_result(self._on_device(hashes))
 
     @staticmethod
     def _final(r: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         return RequestOutput([], "", None, reason, len(r.prompt_ids), r.cached_tokens, error)
+
+    def _leave_queue(self, reqs: list[Request]) -> None:
+        """These requests started running or finished: they no longer count against max_queued."""
+        if reqs:
+            self._unstarted.difference_update(reqs)
+            with self._queued_lock:
+                self._queued -= len(reqs)
+
+    def _publish(self) -> None:
+        s, st = self.scheduler, self.stats
+        self._snapshot = EngineSnapshot(
+            len(s.running), len(s.waiting), len(s.loading), self._queued, self.pool.num_free, self.pool.num_pages,
+            s.num_preemptions, st.prompt_tokens_computed, st.generated_tokens, st.finished, st.steps,
+        )  # fmt: skip
+
+    def snapshot(self) -> EngineSnapshot:
+        """The load as of the last step (any thread): an immutable copy the engine thread replaces
+        after each step, so no caller reads the scheduler's lists while they change."""
+        return self._snapshot
+
+    def cached_prefix_tokens(self, prompt_token_ids: list[int], cache_salt: str = "", timeout_s: float = 5.0) -> int:
+        """How many leading tokens of this prompt would be served from the device pool, the host
+        tier or Redis rather than computed, without submitting it (an estimate: pages can come
+        and go before a request is admitted).
+
+        Thread-safe: the page hashes are computed on the calling thread; the device pool, owned
+        by the engine thread, is read by that thread (a query posted to its inbox and answered
+        between steps, at most `timeout_s` later, else counted as no device pages); the host and
+        Redis tiers answer the rest on the calling thread (`contains`: their own locks and
+        connection pool). Without `start()`, call it from the thread that steps the engine.
+        """
+        if not self.config.enable_prefix_caching:
+            return 0
+        ps = self.kv_spec.page_size
+        limit = max_cached_pages(len(prompt_token_ids), ps)
+        hashes = page_hashes(prompt_token_ids[: limit * ps], ps, self.namespace.salted(cache_salt))
+        if self._thread is not None and self._thread.is_alive():
+            answer: Future[int] = Future()
+            self._inbox.put(("query", (hashes, answer)))
+            self._wake.set()
+            try:
+                on_device = answer.result(timeout_s)
+            except TimeoutError:
+                on_device = 0
+        else:
+            on_device = self._on_device(hashes)
+        contains = getattr(self.connector, "contains", None)  # optional on a KVConnector
+        below = contains(hashes[on_device:]) if contains is not None and on_device < len(hashes) else 0
+        return (on_device + below) * ps
+
+    def _on_device(self, hashes: list[bytes]) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.pool.cached:
+            n += 1
+        return n
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or not self._inbox.empty()

@@ -30,6 +30,15 @@ class ContextTooLong(ValueError):
         super().__init__(f"prompt + max_tokens = {needed} tokens exceeds the {what} of {limit} tokens")
 
 
+class EngineOverloaded(RuntimeError):
+    """More requests queued (added, not yet running) than `EngineConfig.max_queued`; nothing was
+    queued. `retry_after_s` is a hint for the caller's Retry-After."""
+
+    def __init__(self, queued: int, limit: int, retry_after_s: float = 1.0):
+        self.queued, self.limit, self.retry_after_s = queued, limit, retry_after_s
+        super().__init__(f"{queued} requests already queued (max_queued={limit}); retry in {retry_after_s:.0f} s")
+
+
 class FinishReason(StrEnum):
     STOP = "stop"  # end-of-sequence token, stop token, stop string or finished grammar
     LENGTH = "length"  # max_tokens

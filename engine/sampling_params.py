@@ -30,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n log-probabilities per output token (0..20); None = off
     skip_special_tokens: bool = True
+    priority: int = 0  # admission order: lower runs first; ties by arrival (background jobs: 1)
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -53,6 +54,8 @@ class SamplingParams:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise bad("priority", f"must be an integer (lower runs first), got {self.priority!r}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
 

@@ -1,30 +1,44 @@
 """Continuous batching: which requests compute how many tokens in the next step.
 
-Each step has a token budget (`max_num_batched_tokens`). Running requests that decode
-(one token each) are scheduled first, so a long prompt never stalls the streams already
-generating; then prompts being prefilled continue in chunks; then waiting requests are
-admitted while budget and pages last. When pages run out, the newest running request is
-preempted: its pages go back to the pool and it is recomputed later from its tokens
-(prompt + output so far), so nothing is lost or emitted twice.
+Order: a request's key is (`SamplingParams.priority`, arrival): lower priority numbers first,
+then first come; a request keeps its key through loading and preemption. Each step has a token
+budget (`max_num_batched_tokens`). Running requests that decode (one token each) come first, so
+a long prompt never stalls streams already generating; then running prefills continue in
+chunks; then waiting requests are admitted by key while budget, pages and `max_num_seqs` last
+(the head that does not fit blocks the rest; admission never preempts). While more than one
+request has prompt tokens to compute, a chunk takes at most `max_prefill_tokens_per_request`
+(default half the budget). When a running request needs pages and none are free, the victim is
+the running request with the largest key (lowest priority, newest) not yet in this step's plan:
+its pages go back to the pool and it is recomputed later from its tokens (prompt + output so
+far), so nothing is lost or emitted twice. If that is the request itself, a prefill chunk
+shrinks to the pages free, else it waits (keeping its pages) behind a planned request of larger
+key, else it is preempted. Only running and loading requests hold pages; waiting ones hold none.
+So a step plans something whenever the pool could hold the first request alone.
 
 Prefix cache: a request being admitted first takes the pages of its leading full pages
-found in the device pool by content hash (shared, reference counted), then asks the KV
-connector (host and Redis tiers) for the pages that follow. A connector lookup runs off the
-step thread: the request is parked in `loading` while the others keep stepping, and is
-admitted when the fetch completes, or after `lookup_timeout_s` with what had arrived.
+found in the device pool by content hash (shared, reference counted), then, once per
+admission, asks the KV connector (host and Redis tiers) for the pages that follow. A lookup
+runs off the step thread: the request is parked in `loading` while the others keep stepping,
+and when the fetch completes (or after `lookup_timeout_s`, with what had arrived) the pages
+are copied in and named by their hash; the request then releases its pages (named pages stay
+revivable in the pool's free list) and rejoins `waiting`, taking them back on admission.
 Pages that fill up are named by their hash once computed, and offered to the connector.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
-from collections import deque
+from collections import OrderedDict
 from typing import NamedTuple
 
 from engine.kv_connector import KVConnector, NoConnector, PendingFetch
 from engine.request import Request
 from kvstore.block_pool import BlockPool
 from kvstore.prefix import Namespace, hash_page, max_cached_pages
+
+SALT_CACHE_SIZE = 4096  # tenants whose salted namespace digest is kept (LRU)
 
 
 class ScheduledChunk(NamedTuple):
@@ -50,28 +64,47 @@ class Scheduler:
         namespace: Namespace | None = None,
         connector: KVConnector | None = None,
         lookup_timeout_s: float = 0.1,
+        max_prefill_tokens_per_request: int | None = None,
     ):
+        """Args:
+        max_prefill_tokens_per_request: a prefill chunk's cap while other requests also have
+            prompt tokens to compute (None = half the step budget); alone, a prefill takes the budget.
+        """
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if max_prefill_tokens_per_request is not None and max_prefill_tokens_per_request < 1:
+            raise ValueError(f"max_prefill_tokens_per_request must be >= 1, got {max_prefill_tokens_per_request}")
         self.pool = pool
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.prefill_share = max_prefill_tokens_per_request or max(1, max_num_batched_tokens // 2)
         self.namespace = namespace  # None: prefix caching off
         self.connector = connector or NoConnector()
         self.lookup_timeout_s = lookup_timeout_s
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # arrival order: the last is the first to be preempted
+        self.waiting: list[Request] = []  # by key; none holds pages
+        self.running: list[Request] = []  # by key: the last is the first to be preempted
         self.loading: list[_Loading] = []  # waiting for pages from the host or Redis tier
         self.num_preemptions = 0
         self.num_lookup_timeouts = 0
+        self._arrivals = itertools.count()
+        self._order: dict[Request, int] = {}  # arrival number, the second part of the key
         self._hashes: dict[Request, list[bytes]] = {}  # hashes of each request's full pages
         self._named: dict[Request, int] = {}  # leading pages already named (registered) in the pool
-        self._matched: set[Request] = set()  # went through prefix matching since (re)admission
-        self._salts: dict[str, bytes] = {}
+        self._looked_up: set[Request] = set()  # asked the connector since added or preempted: not again
+        self._salts: OrderedDict[str, bytes] = OrderedDict()
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self._order[req] = next(self._arrivals)
+        self._enqueue(req)
+
+    def key(self, req: Request) -> tuple[int, int]:
+        """(priority, arrival): smaller runs first; the largest is preempted first."""
+        return req.params.priority, self._order[req]
+
+    def _enqueue(self, req: Request) -> None:
+        assert not req.pages and req.num_computed == 0, "a waiting request holds no pages"
+        bisect.insort(self.waiting, req, key=self.key)
 
     @property
     def has_work(self) -> bool:
@@ -81,56 +114,74 @@ class Scheduler:
         return -(-(req.num_computed + n) // self.page_size) - len(req.pages)
 
     def _preempt(self, victim: Request) -> None:
-        self.pool.free(victim.pages)
-        victim.pages = []
-        victim.num_computed = 0
+        self._release(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self._named.pop(victim, None)
-        self._matched.discard(victim)
+        self._looked_up.discard(victim)  # its pages may have moved to the host tier meanwhile
         self.running.remove(victim)
-        self.waiting.appendleft(victim)
+        self._enqueue(victim)
 
     def schedule(self) -> list[ScheduledChunk]:
         self._poll_loading()
         budget = self.max_num_batched_tokens
+        prefills = sum(r.num_tokens - r.num_computed > 1 for r in self.running) + len(self.waiting) + len(self.loading)
+        share = self.prefill_share if prefills > 1 else budget
         chunks: list[ScheduledChunk] = []
+        planned: set[Request] = set()
+        preempted: set[Request] = set()
         decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
         for req in decoding + prefilling:
             if budget == 0:
                 break
-            if req not in self.running:  # preempted earlier in this loop
+            if req in preempted:
                 continue
-            n = min(req.num_tokens - req.num_computed, budget)
-            need = self._pages_needed(req, n)
-            while need > self.pool.num_free and self.running[-1] is not req:
-                self._preempt(self.running[-1])
-            if need > self.pool.num_free:
-                self._preempt(req)
+            n = self._make_room(req, min(req.num_tokens - req.num_computed, budget, share), planned, preempted)
+            if n == 0:
                 continue
-            req.pages += self.pool.allocate(need)
+            req.pages += self.pool.allocate(self._pages_needed(req, n))
             chunks.append(ScheduledChunk(req, n, req.num_computed + n == req.num_tokens))
+            planned.add(req)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if req not in self._matched and self._match_prefix(req):
-                self.waiting.popleft()  # parked in self.loading
+            if req in preempted:  # not back in the step that preempted it
+                break
+            if self._match_prefix(req):
+                self.waiting.pop(0)  # parked in self.loading
                 continue
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget, share)
             need = self._pages_needed(req, n)
             if need > self.pool.num_free:
-                self._unmatch(req)  # a waiting request holds no page: others may need them to finish
+                self._release(req)  # a waiting request holds no page: others may need them to finish
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             if self.namespace is not None:
                 self._count_admission(req)
             req.pages += self.pool.allocate(need)
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n, req.num_computed + n == req.num_tokens))
             budget -= n
-        self.running.sort(key=lambda r: r.arrival)
+        self.running.sort(key=self.key)
         return chunks
+
+    def _make_room(self, req: Request, n: int, planned: set[Request], preempted: set[Request]) -> int:
+        """Pages for `n` tokens of a running request, preempting requests not in the plan; returns
+        how many tokens it computes this step (0: it waits or was preempted)."""
+        while self._pages_needed(req, n) > self.pool.num_free:
+            victim = max((r for r in self.running if r not in planned), key=self.key)
+            if victim is not req:
+                self._preempt(victim)
+                preempted.add(victim)
+                continue
+            room = (len(req.pages) + self.pool.num_free) * self.page_size - req.num_computed
+            if room > 0:
+                return room  # a shorter prefill chunk
+            if not any(self.key(r) > self.key(req) for r in planned):
+                self._preempt(req)  # the newest of all: its pages let the older ones go on
+                preempted.add(req)
+            return 0  # else it waits for a newer planned request to finish or to be preempted
+        return n
 
     # ---- prefix cache ----
 
@@ -139,25 +190,38 @@ class Scheduler:
         assert self.namespace is not None
         hashes = self._hashes.setdefault(req, [])
         if len(hashes) < num_pages:
-            ns = self._salts.get(req.cache_salt)
-            if ns is None:
-                ns = self._salts[req.cache_salt] = self.namespace.salted(req.cache_salt)
+            ns = self._salted(req.cache_salt)
             ps = self.page_size
             for i in range(len(hashes), num_pages):
                 hashes.append(hash_page(hashes[i - 1] if i else b"", req.tokens(i * ps, (i + 1) * ps), ns))
         return hashes
 
+    def _salted(self, cache_salt: str) -> bytes:
+        """The tenant's namespace digest, from a bounded LRU (one entry per recent tenant)."""
+        assert self.namespace is not None
+        ns = self._salts.get(cache_salt)
+        if ns is not None:
+            self._salts.move_to_end(cache_salt)
+            return ns
+        ns = self._salts[cache_salt] = self.namespace.salted(cache_salt)
+        if len(self._salts) > SALT_CACHE_SIZE:
+            self._salts.popitem(last=False)
+        return ns
+
     def _match_prefix(self, req: Request) -> bool:
         """Share the request's cached leading pages; returns True when it is parked for a fetch."""
-        self._matched.add(req)
-        if self.namespace is None or req.num_computed or req.pages:
+        assert not req.pages and req.num_computed == 0
+        if self.namespace is None:
             return False
         limit = max_cached_pages(req.num_tokens, self.page_size)
         hashes = self._page_hashes(req, limit)[:limit]
         req.pages = self.pool.match(hashes)
         req.num_computed = len(req.pages) * self.page_size
         self._named[req] = len(req.pages)
-        fetch = self.connector.fetch(hashes[len(req.pages) :]) if len(req.pages) < limit else None
+        if req in self._looked_up or len(req.pages) >= limit:
+            return False
+        self._looked_up.add(req)
+        fetch = self.connector.fetch(hashes[len(req.pages) :])
         if fetch is not None and not fetch.ready():
             self.loading.append(_Loading(req, fetch, time.monotonic() + self.lookup_timeout_s))
             return True
@@ -173,12 +237,11 @@ class Scheduler:
         if req.num_preemptions == 0:
             req.cached_tokens = req.num_computed
 
-    def _unmatch(self, req: Request) -> None:
-        self.pool.free(req.pages)  # hashed pages stay revivable in the free list
+    def _release(self, req: Request) -> None:
+        self.pool.free(req.pages)  # named pages stay revivable in the free list
         req.pages = []
         req.num_computed = 0
         self._named.pop(req, None)
-        self._matched.discard(req)
 
     def _poll_loading(self) -> None:
         now = time.monotonic()
@@ -188,7 +251,10 @@ class Scheduler:
                 self.loading.remove(item)
                 self.num_lookup_timeouts += not ready
                 self._complete(item.request, item.fetch, expired=not ready)
-                self.waiting.appendleft(item.request)
+                # Back to waiting without pages (else a request put before it could wait forever
+                # for them); its pages keep their names and come back by hash on admission.
+                self._release(item.request)
+                self._enqueue(item.request)
 
     def _complete(self, req: Request, fetch: PendingFetch | None, expired: bool) -> None:
         if fetch is not None:
@@ -234,8 +300,7 @@ class Scheduler:
                 self.loading.remove(item)
                 item.fetch.take(expired=True)
                 break
-        self.pool.free(req.pages)
-        req.pages = []
+        self._release(req)
         self._hashes.pop(req, None)
-        self._named.pop(req, None)
-        self._matched.discard(req)
+        self._looked_up.discard(req)
+        self._order.pop(req, None)

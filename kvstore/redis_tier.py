@@ -177,6 +177,23 @@ class RedisTier:
             self.counters.read_failures += 1
             self._failed("read", e)
 
+    def count_prefix(self, page_hashes: list[bytes]) -> int:
+        """How many leading pages exist in Redis (pipelined EXISTS; values are not read or
+        verified); an error ends the count (the tier's health is left to the real lookups)."""
+        n = 0
+        try:
+            for start in range(0, len(page_hashes), BATCH):
+                pipe = self._reader.pipeline(transaction=False)
+                for h in page_hashes[start : start + BATCH]:
+                    pipe.exists(self.key(h))
+                for found in pipe.execute():
+                    if not found:
+                        return n
+                    n += 1
+        except redis.RedisError:
+            return n
+        return n
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)

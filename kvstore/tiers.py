@@ -53,6 +53,14 @@ class HostTier:
             self.num_bytes += len(payload)
             self.counters.stored += 1
 
+    def count_prefix(self, hashes: list[bytes]) -> int:
+        """How many of the leading `hashes` are held here (no LRU touch; any thread)."""
+        n = 0
+        with self._lock:
+            while n < len(hashes) and hashes[n] in self._pages:
+                n += 1
+        return n
+
     def get_prefix(self, hashes: list[bytes]) -> list[bytes]:
         """Payloads of the leading `hashes` held here (stops at the first miss)."""
         out = []
@@ -123,6 +131,14 @@ class TieredStore:
         if rest and self.redis is not None and self._lookups is not None and self.redis.available():
             fetch.remote = self._lookups.submit(self.redis.get_prefix, rest, fetch.arrived, fetch.cancel)
         return fetch
+
+    def contains(self, page_hashes: list[bytes]) -> int:
+        """How many leading pages the host tier, then Redis, hold (a probe: nothing is loaded or
+        verified). Thread-safe: the host tier's lock, redis-py's connection pool."""
+        n = self.host.count_prefix(page_hashes)
+        if n < len(page_hashes) and self.redis is not None and self.redis.available():
+            n += self.redis.count_prefix(page_hashes[n:])
+        return n
 
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         if self.redis is None:

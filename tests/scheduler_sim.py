@@ -1,0 +1,171 @@
+"""A stand-in for the model runner, to drive the `Scheduler` alone (no tensors, no model).
+
+"Running" a chunk advances the request's `num_computed` and, when the chunk reaches the last
+token, appends a token id that depends only on (request, output position), so a recomputed
+request produces the same ids. Every step checks what `AttentionMetadata.build` and the
+page pool rely on: each chunk's request is running and holds pages for `num_computed + n`
+tokens, no request appears twice, waiting requests hold no pages, and every page's reference
+count equals the number of requests holding it.
+
+`FakeConnector` stands in for the host and Redis tiers: it "has" the pages saved to it (or a
+chosen set), and its fetches become ready after `polls` polls, or fail (find nothing).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from engine.request import Request, RequestHandle
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk, Scheduler
+from kvstore.block_pool import BlockPool
+from kvstore.prefix import Namespace
+
+NS = Namespace("SimForCausalLM", "ab" * 16, "float32", "float32", 16)
+
+
+@dataclass
+class FakeFetch:
+    found: int  # leading pages the connector has
+    polls: int  # not ready for this many calls of ready()
+    fail: bool  # the lookup errors out: nothing arrives
+    loaded: int = 0
+    taken: bool = False
+
+    def ready(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def take(self, expired: bool) -> int:
+        assert not self.taken, "a fetch is taken once"
+        self.taken = True
+        if self.fail or (expired and self.polls >= 0):
+            return 0
+        return self.found
+
+    def load(self, pages: list[int]) -> None:
+        assert self.taken and len(pages) <= self.found
+        self.loaded = len(pages)
+
+
+@dataclass
+class FakeConnector:
+    """Args: polls: a fetch's delay in polls; fail_every: every n-th fetch fails (0 = never);
+    keep_saved: pages offered to `save` are kept (a Redis that has what was computed)."""
+
+    polls: int = 3
+    fail_every: int = 0
+    keep_saved: bool = True
+    has: set[bytes] = field(default_factory=set)
+    fetches: list[FakeFetch] = field(default_factory=list)
+
+    def _leading(self, page_hashes: list[bytes]) -> int:
+        n = 0
+        while n < len(page_hashes) and page_hashes[n] in self.has:
+            n += 1
+        return n
+
+    def fetch(self, page_hashes: list[bytes]) -> FakeFetch | None:
+        fail = self.fail_every > 0 and (len(self.fetches) + 1) % self.fail_every == 0
+        f = FakeFetch(self._leading(page_hashes), self.polls, fail)
+        self.fetches.append(f)
+        return f
+
+    def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
+        if self.keep_saved:
+            self.has.update(page_hashes)
+
+    def evict(self, evicted: list[tuple[int, bytes]]) -> None:
+        return None
+
+    def contains(self, page_hashes: list[bytes]) -> int:
+        return self._leading(page_hashes)
+
+
+def sim_token(req: Request) -> int:
+    """The 'sampled' id: a function of the request and output position only."""
+    return (sum(map(ord, req.id)) * 31 + len(req.output_ids) * 7) % 97
+
+
+class Sim:
+    """A scheduler over a pool of `num_pages`, stepped with invariant checks."""
+
+    def __init__(self, num_pages: int, page_size: int, budget: int, *, check_pool: bool = True, **kw: object):
+        self.pool = BlockPool(num_pages)
+        self.page_size = page_size
+        kw.setdefault("namespace", Namespace("SimForCausalLM", "ab" * 16, "float32", "float32", page_size))
+        self.sched = Scheduler(self.pool, page_size, budget, **kw)  # type: ignore[arg-type]
+        self.budget = budget
+        self.requests: dict[str, Request] = {}
+        self.finished: list[Request] = []
+        self.aborted: list[Request] = []
+        self.steps = 0
+        self.max_running = 0
+        self.pool_checks = check_pool  # False: only plans are checked (to show a stall as a stall)
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, priority: int = 0, salt: str = "") -> Request:
+        params = SamplingParams(max_tokens=max_tokens, priority=priority)
+        req = Request(rid, prompt, params, RequestHandle(rid, lambda _: None), cache_salt=salt)
+        self.requests[rid] = req
+        self.sched.add(req)
+        return req
+
+    def abort(self, req: Request) -> None:
+        if not req.finished:
+            req.finished = True
+            self.sched.finish(req)
+            self.aborted.append(req)
+
+    def step(self) -> list[ScheduledChunk]:
+        chunks = self.sched.schedule()
+        self.check_plan(chunks)
+        for c in chunks:
+            c.request.num_computed += c.num_tokens
+        self.sched.computed([c.request for c in chunks])
+        for c in chunks:
+            if c.sample:
+                req = c.request
+                req.output_ids.append(sim_token(req))
+                if len(req.output_ids) >= req.params.max_tokens:
+                    req.finished = True
+                    self.sched.finish(req)
+                    self.finished.append(req)
+        self.steps += 1
+        self.max_running = max(self.max_running, len(self.sched.running))
+        if self.pool_checks:
+            self.check_pool()
+        return chunks
+
+    def check_plan(self, chunks: list[ScheduledChunk]) -> None:
+        assert sum(c.num_tokens for c in chunks) <= self.budget
+        seen = set()
+        for c in chunks:
+            req = c.request
+            assert req not in seen, f"{req.id} twice in one plan"
+            seen.add(req)
+            assert req in self.sched.running, f"{req.id} planned but not running (preempted?)"
+            assert c.num_tokens >= 1
+            assert req.num_computed + c.num_tokens <= req.num_tokens
+            assert len(req.pages) * self.page_size >= req.num_computed + c.num_tokens, f"{req.id} lacks pages"
+            assert c.sample == (req.num_computed + c.num_tokens == req.num_tokens)
+
+    def holders(self) -> list[Request]:
+        return list(self.sched.running) + [item.request for item in self.sched.loading]
+
+    def check_pool(self) -> None:
+        for req in self.sched.waiting:
+            assert not req.pages, f"waiting {req.id} holds pages"
+        held = Counter(p for r in self.holders() for p in r.pages)
+        assert all(self.pool.ref_counts[p] == n for p, n in held.items()), "reference counts drifted"
+        assert self.pool.num_free == self.pool.num_pages - len(held)
+
+    def drive(self, arrivals: list[tuple[int, str, list[int], int, int]], max_steps: int) -> None:
+        """Add (step, id, prompt, max_tokens, priority) at their steps; step until no work is left."""
+        pending = sorted(arrivals, key=lambda a: a[0])
+        while pending or self.sched.has_work:
+            while pending and pending[0][0] <= self.steps:
+                _, rid, prompt, max_tokens, priority = pending.pop(0)
+                self.add(rid, prompt, max_tokens, priority)
+            assert self.steps < max_steps, f"stalled: {self.steps} steps"
+            self.step()
