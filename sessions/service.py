@@ -215,11 +215,8 @@ class SessionService:
 
     def _params(self, req: ResponseRequest, max_tokens: int, priority: int = 0) -> SamplingParams:
         b = req.body
-        # engine priority (background: 1), where the engine has it
-        has_priority = "priority" in SamplingParams.__dataclass_fields__
-        extra: dict[str, Any] = {"priority": priority} if priority and has_priority else {}
         return SamplingParams(
-            **extra,
+            priority=priority,  # background: 1
             max_tokens=max_tokens,
             temperature=1.0 if b.temperature is None else b.temperature,
             top_p=1.0 if b.top_p is None else b.top_p,

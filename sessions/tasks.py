@@ -19,6 +19,7 @@ import os
 import socket
 from typing import Any
 
+from engine.request import EngineOverloaded
 from sessions.errors import ConversationBusy, NotFound, StoreError
 from sessions.events import EventWriter
 from sessions.items import Item
@@ -27,14 +28,6 @@ from sessions.requests import CreateResponseBody, ResponseRequest
 from sessions.service import SessionService, _Undo
 from sessions.streams import Job
 from sessions.turn import Turn
-
-try:
-    from engine.request import EngineOverloaded  # type: ignore[attr-defined]
-except ImportError:  # an engine without admission control never overloads
-
-    class EngineOverloaded(Exception):  # type: ignore[no-redef]
-        retry_after_s = 1.0
-
 
 log = logging.getLogger("longctx.sessions")
 CANCEL_POLL_S = 0.5
@@ -121,7 +114,7 @@ class BackgroundWorkers:
                 try:
                     return await self._run(job)
                 except (EngineOverloaded, ConversationBusy) as e:
-                    wait = max(backoff, float(getattr(e, "retry_after_s", 0) or 0))
+                    wait = max(backoff, e.retry_after_s if isinstance(e, EngineOverloaded) else 0.0)
                     log.info("background response %s waits %.1f s: %s", job.response_id, wait, e)
                     await asyncio.sleep(wait)
                     backoff = min(2 * backoff, 10.0)
