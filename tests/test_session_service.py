@@ -234,3 +234,22 @@ def test_idempotency_key_repeats_the_first_response(run: Run) -> None:
         assert len((await svc.store.conversations.load(TENANT, conv)).items) == 6
 
     run(body)
+
+
+def test_output_length_checks_and_store_false(run: Run, target: tuple[str, str]) -> None:
+    async def body(svc: SessionService) -> None:
+        before = dump(target)
+        with pytest.raises(InvalidParam) as e:
+            await svc.create(TENANT, {"input": "Hi", "max_output_tokens": svc.config.max_output_tokens + 1})
+        assert e.value.param == "max_output_tokens"
+        with pytest.raises(InvalidParam) as e:
+            await svc.create(TENANT, {"input": "word " * 5000})
+        assert e.value.code == "context_length_exceeded" and "4096" in e.value.message
+        r = await svc.create(TENANT, {"input": "Hi", "store": False, "temperature": 0, "max_output_tokens": 4})
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
+        assert dump(target) == before  # nothing written
+        r = await svc.create(TENANT, {"input": "Hi", "store": False, "temperature": 0})
+        # the default output length: what the context and the KV cache leave, under the cap
+        assert r.max_output_tokens == min(svc.engine.capacity_tokens - r.usage.input_tokens, 4096)  # type: ignore[union-attr]
+
+    run(body)
