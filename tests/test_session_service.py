@@ -7,6 +7,7 @@ change nothing; a dropped stream ends `incomplete`, committed once; Idempotency-
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -14,13 +15,17 @@ import pytest
 import redis
 
 from engine.engine import Engine
+from sessions.config import ServiceConfig
 from sessions.errors import ConversationBusy, RequestInProgress
 from sessions.event_stream import EventStream
 from sessions.items import FunctionCall, Message, text_of
 from sessions.models import Response
 from sessions.requests import InvalidParam
 from sessions.service import SessionService, collect
+from sessions.store import SessionStore, StoreConfig
 from tests.session_engine import PAGE, TENANT, Run, compiler, engine, run, target
+from tools.formats import detect_format
+from tools.grammar import GrammarCompiler
 
 __all__ = ["compiler", "engine", "run", "target"]  # fixtures
 
@@ -253,3 +258,30 @@ def test_output_length_checks_and_store_false(run: Run, target: tuple[str, str])
         assert r.max_output_tokens == min(svc.engine.capacity_tokens - r.usage.input_tokens, 4096)  # type: ignore[union-attr]
 
     run(body)
+
+
+def test_lease_renewed_while_generating(engine: Engine, target: tuple[str, str], compiler: GrammarCompiler) -> None:
+    """A turn generating for longer than the lease lives still commits: it renews the lease."""
+
+    async def main() -> None:
+        store = SessionStore.connect(target[0], StoreConfig(prefix=target[1], lease_ttl_ms=400))
+        tok = engine.tokenizer
+        assert tok is not None
+        svc = SessionService(engine, store, tok, compiler, detect_format(tok), ServiceConfig(lease_renew_s=0.1))
+        try:
+            conv = (await svc.conversations.create(TENANT)).id
+            start = time.monotonic()
+            # a schema that forces a long reply: 40 numbers
+            numbers = {"type": "array", "items": {"type": "integer"}, "minItems": 40, "maxItems": 40}
+            schema = {"type": "object", "properties": {"n": numbers}, "required": ["n"]}
+            fmt = {"format": {"type": "json_schema", "name": "numbers", "schema": schema}}
+            r = await svc.create(TENANT, {"conversation": conv, "input": "Forty numbers, please.", "text": fmt,
+                                          "temperature": 0, "max_output_tokens": 200})  # fmt: skip
+            took = time.monotonic() - start
+            assert r.status == "completed" and r.usage.output_tokens >= 80  # type: ignore[union-attr]
+            assert took > 0.5  # longer than the lease lives unrenewed
+            assert len((await store.conversations.load(TENANT, conv)).items) == 2
+        finally:
+            await store.close()
+
+    asyncio.run(main())
