@@ -8,6 +8,7 @@
     ChainTooLong      400  a previous_response_id chain deeper than the store walks
     RequestInProgress 409  an Idempotency-Key repeat while the first request runs
     InvalidParam      400  a request field the server cannot accept (`param` = its path)
+    ContextLengthExceeded 400  (an InvalidParam, code context_length_exceeded) the context is too long
     StoreUnavailable  503  Redis did not answer within the retry budget
     UnsuitableServer  —    refused at start: the server would lose conversations
 
@@ -100,3 +101,10 @@ class InvalidParam(ValueError):
     def __init__(self, param: str, message: str, code: str = "invalid_request_error"):
         super().__init__(f"{param}: {message}")
         self.param, self.message, self.code = param, message, code
+
+
+class ContextLengthExceeded(InvalidParam):
+    """400 `context_length_exceeded`: the prompt and the output asked for do not fit."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(param, message, code="context_length_exceeded")

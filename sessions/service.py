@@ -26,7 +26,7 @@ from engine.sampling_params import SamplingParams
 from sessions.config import ServiceConfig
 from sessions.context import load_context
 from sessions.conversation_api import ConversationAPI, check_page
-from sessions.errors import Conflict, NotFound, RequestInProgress
+from sessions.errors import Conflict, ContextLengthExceeded, NotFound, RequestInProgress
 from sessions.event_stream import EventStream, replay, stored_events
 from sessions.events import Event, EventWriter
 from sessions.ids import new_id
@@ -206,10 +206,8 @@ class SessionService:
             raise InvalidParam("max_output_tokens", f"at most {cap} on this server, got {asked}")
         want = asked if asked is not None else 1
         if prompt_len + want > limit:
-            raise InvalidParam(
-                "input",
-                f"the context is {prompt_len} tokens and asks for {want} more, over the limit of {limit} tokens",
-                code="context_length_exceeded",
+            raise ContextLengthExceeded(
+                "input", f"the context is {prompt_len} tokens and asks for {want} more; the limit is {limit} tokens"
             )
         return asked if asked is not None else min(limit - prompt_len, cap)
 
@@ -271,8 +269,9 @@ class SessionService:
 def _param(e: Exception, req: ResponseRequest, default: str) -> str:
     """The request field a tools/ error is about: its own `param`, else the tool its message names."""
     param = getattr(e, "param", None)
-    if isinstance(param, str) and param:
-        return param
+    if isinstance(param, str) and param:  # tools/ was given the Chat shape; the client sent the flat one
+        param = param.replace("].function.", "].", 1).replace("].function", "]", 1)
+        return param.replace("response_format.json_schema", "text.format").replace("response_format", "text.format")
     for i, t in enumerate(req.tools):
         if f"'{t.name}'" in str(e):
             return f"tools[{i}].parameters"

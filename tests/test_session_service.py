@@ -250,6 +250,14 @@ def test_output_length_checks_and_store_false(run: Run, target: tuple[str, str])
         with pytest.raises(InvalidParam) as e:
             await svc.create(TENANT, {"input": "word " * 5000})
         assert e.value.code == "context_length_exceeded" and "4096" in e.value.message
+        bad = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+        with pytest.raises(InvalidParam) as e:
+            await svc.create(TENANT, {"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": bad}]})
+        assert e.value.param == "tools[0].parameters"
+        with pytest.raises(InvalidParam) as e:
+            fmt = {"format": {"type": "json_schema", "name": "x", "schema": bad}}
+            await svc.create(TENANT, {"input": "Hi", "text": fmt})
+        assert e.value.param.startswith("text.format")
         r = await svc.create(TENANT, {"input": "Hi", "store": False, "temperature": 0, "max_output_tokens": 4})
         assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
         assert dump(target) == before  # nothing written
