@@ -42,7 +42,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0 = torch's default, or cores/N)")
     p.add_argument("--host-cache-bytes", type=_parse_bytes, default=0, help="host KV tier budget (0 = none)")
     p.add_argument("--kv-redis-url", default=None, help="Redis KV tier, e.g. redis://127.0.0.1:6379/1")
-    p.add_argument("--kv-redis-ttl", type=int, default=86_400, help="seconds a KV page lives in Redis")
+    p.add_argument("--kv-redis-ttl", type=int, default=86_400, help="seconds a KV page lives in Redis unused")
+    p.add_argument(
+        "--kv-redis-max-pending-bytes", type=_parse_bytes, default=_parse_bytes("256MiB"),
+        help="KV pages waiting to be written to Redis; more are dropped, never waited for",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-lookup-timeout", type=float, default=5.0,
+        help="seconds a request may wait for KV pages from the host/Redis tiers (less when recomputing is faster)",
+    )  # fmt: skip
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"], help="storage dtype of the KV tiers")
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over (spawned unless torchrun)"
@@ -84,6 +92,8 @@ def _generate(args: argparse.Namespace) -> int:
         host_cache_bytes=args.host_cache_bytes,
         kv_redis_url=args.kv_redis_url,
         kv_redis_ttl=args.kv_redis_ttl,
+        kv_redis_max_pending_bytes=args.kv_redis_max_pending_bytes,
+        kv_lookup_timeout_s=args.kv_lookup_timeout,
         kv_dtype=args.kv_dtype,
     )
     loaded = load(args.model, args.dtype, args.device, parallel=parallel)

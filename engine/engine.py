@@ -27,6 +27,7 @@ from engine.loading.tokenizer import Tokenizer
 from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
 from engine.model_runner import Chunk, ModelRunner
+from engine.prefill_rate import PrefillRate
 from engine.request import (
     ContextTooLong,
     EngineOverloaded,
@@ -62,7 +63,8 @@ class EngineConfig:
     kv_redis_ttl: int = 86_400  # seconds
     kv_redis_prefix: str = "kv"  # keys are {prefix}:{namespace}:{page hash}
     kv_dtype: str = "auto"  # storage dtype in the host and Redis tiers: auto (the model's) or int8
-    kv_lookup_timeout_s: float = 0.1  # a host/Redis lookup slower than this counts as a miss
+    kv_redis_max_pending_bytes: int = 256 << 20  # page copies waiting to be written to Redis; more are dropped
+    kv_lookup_timeout_s: float = 5.0  # the longest a request waits for host/Redis pages (less when recomputing wins)
     max_prefill_tokens_per_request: int | None = None  # a chunk's cap while others wait (None: budget/2)
     max_queued: int = 256  # requests added and not yet running; past it add_request raises EngineOverloaded
 
@@ -83,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"max_queued must be >= 1, got {self.max_queued}")
         if self.host_cache_bytes < 0 or self.kv_redis_ttl < 1:
             raise ValueError("host_cache_bytes must be >= 0 and kv_redis_ttl >= 1")
+        if self.kv_redis_max_pending_bytes < 0 or self.kv_lookup_timeout_s < 0:
+            raise ValueError("kv_redis_max_pending_bytes and kv_lookup_timeout_s must be >= 0")
 
 
 @dataclass
@@ -133,10 +137,11 @@ class Engine:
         if connector is None and (config.host_cache_bytes or config.kv_redis_url):
             connector = self.store = build_tiers(
                 self.kv_cache, self.namespace, config.host_cache_bytes, config.kv_redis_url, config.kv_redis_ttl,
-                config.kv_redis_prefix,
+                config.kv_redis_prefix, config.kv_redis_max_pending_bytes,
             )  # fmt: skip
         self.connector: KVConnector = connector or NoConnector()
         self.pool = BlockPool(self.kv_cache.num_pages, on_evict=self.connector.evict)
+        self.prefill_rate = PrefillRate()  # what recomputing costs, against a tier lookup's wait
         self.scheduler = Scheduler(
             self.pool,
             self.kv_spec.page_size,
@@ -146,6 +151,7 @@ class Engine:
             connector=self.connector,
             lookup_timeout_s=config.kv_lookup_timeout_s,
             max_prefill_tokens_per_request=config.max_prefill_tokens_per_request,
+            recompute_s=self.prefill_rate.seconds,
         )
         self.sampler = Sampler()
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -244,7 +250,10 @@ class Engine:
             batch.append(Chunk(r.tokens(r.num_computed, end), r.pages, end))
             if r.num_computed < len(r.prompt_ids):
                 self.stats.prompt_tokens_computed += min(end, len(r.prompt_ids)) - r.num_computed
+        t0 = time.perf_counter()
         logits = self.runner.run(batch)  # [B, V]
+        if any(c.num_tokens > 1 for c in chunks):
+            self.prefill_rate.observe(sum(c.num_tokens for c in chunks), time.perf_counter() - t0)
         for c in chunks:
             c.request.num_computed += c.num_tokens
         return logits

@@ -4,14 +4,35 @@ The scheduler asks `fetch` for a request's leading full pages missing from the d
 (by content hash); the lookup runs off the step thread and the request waits in a loading
 state until `ready()` (or a deadline). `take` then says how many leading pages arrived and
 `load` copies them into freshly allocated device pages. Full pages computed by the engine
-are offered to `save` (write-behind: it must never block the step), and pages whose device
+are offered to `save` (write-behind: it must never block the step), pages matched in the
+device pool are offered to `touch` (an outer tier keeps them alive), and pages whose device
 memory is about to be reused are offered to `evict` (the host tier keeps a copy).
 `kvstore.tiers.TieredStore` provides the host and Redis tiers; `NoConnector` has nothing.
+
+The deadline of a lookup comes from its cost (`lookup_plan`): a request waits for a tier
+while fetching its pages is expected to beat recomputing them, so a Redis answering in
+300 ms still restores a long history, and a slow one never holds a short prompt back.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
+
+LOOKUP_FLOOR_S = 0.1  # the least wait: covers a local tier's jitter and the step's polling
+LOOKUP_SLACK = 1.5  # wait this many times the expected fetch before giving up
+
+
+def lookup_plan(fetch_s: float, recompute_s: float, cap_s: float) -> tuple[bool, float]:
+    """Whether to ask the remote tiers, and how long a request may wait for its lookup.
+
+    While fetching is expected to beat recomputing (`fetch_s` < `recompute_s`): ask, and wait
+    `LOOKUP_SLACK` x the expected fetch (at least `LOOKUP_FLOOR_S`), never past `cap_s`.
+    Otherwise take only what is at hand (host memory), and a remote tier is not asked at all:
+    its answer would come after the recompute, and it would hold up the lookups behind it.
+    """
+    if fetch_s >= recompute_s:
+        return False, min(cap_s, LOOKUP_FLOOR_S)
+    return True, min(cap_s, max(LOOKUP_FLOOR_S, LOOKUP_SLACK * fetch_s))
 
 
 class PendingFetch(Protocol):
@@ -27,11 +48,19 @@ class PendingFetch(Protocol):
 
 
 class KVConnector(Protocol):
-    def fetch(self, page_hashes: list[bytes]) -> PendingFetch | None:
-        """Start looking up these leading pages; None when there is nowhere to look."""
+    def fetch(self, page_hashes: list[bytes], remote: bool = True) -> PendingFetch | None:
+        """Start looking up these leading pages; None when there is nowhere to look. Without
+        `remote`, only tiers that answer at once (host memory) are asked."""
+
+    def fetch_cost_s(self, num_pages: int) -> float:
+        """Expected seconds for a lookup of `num_pages` pages (measured by the tiers)."""
 
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         """Offer full, computed device pages for storage (must not block the step)."""
+
+    def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
+        """These device pages, named by these hashes in the pool, were matched and are used
+        again (must not block the step). Until `evict` names a page, it holds its hash's KV."""
 
     def evict(self, evicted: list[tuple[int, bytes]]) -> None:
         """(page, hash) pairs whose device memory is about to be reused."""
@@ -45,10 +74,16 @@ class NoConnector:
         of these leading pages it holds (`Engine.cached_prefix_tokens` uses it when present)."""
         return 0
 
-    def fetch(self, page_hashes: list[bytes]) -> PendingFetch | None:
+    def fetch(self, page_hashes: list[bytes], remote: bool = True) -> PendingFetch | None:
         return None
 
+    def fetch_cost_s(self, num_pages: int) -> float:
+        return 0.0
+
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
+        return None
+
+    def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
         return None
 
     def evict(self, evicted: list[tuple[int, bytes]]) -> None:

@@ -3,10 +3,13 @@ under, the host and Redis tiers behind the device pool, and their counters."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import hashlib
+import json
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from engine.distributed.parallel import ParallelContext
+from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
 from kvstore.block_pool import BlockPool
 from kvstore.codec import PageCodec
@@ -20,6 +23,22 @@ if TYPE_CHECKING:
     from engine.scheduler import Scheduler
 
 
+# ModelConfig fields that change no K or V value: token ids only name where generation stops,
+# and the checkpoint's dtype is covered by the weights digest and the compute dtype.
+_NOT_NUMERICS = {"bos_token_id": None, "eos_token_ids": (), "dtype": ""}
+
+
+def numerics_digest(config: ModelConfig) -> str:
+    """A digest of every config field that can change a page's K or V besides the weights:
+    RoPE type, theta and scaling factors, `max_position_embeddings` (dynamic and yarn scale by
+    it), per-layer windows, norm eps, head counts and dims, qk_norm, biases, MoE routing.
+    Taken over the whole config minus the fields listed as harmless, so a field added later
+    is covered by default."""
+    fields = asdict(replace(config, **_NOT_NUMERICS))  # type: ignore[arg-type]
+    raw = json.dumps(fields, sort_keys=True, default=str).encode()
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
 def kv_namespace(
     model: CausalLM, spec: KVSpec, kv_dtype: str, fingerprint: str, parallel: ParallelContext
 ) -> Namespace:
@@ -29,9 +48,11 @@ def kv_namespace(
         kv_dtype: `auto` (pages leave the device in the model's dtype) or a storage dtype.
     """
     stored = spec.dtype if kv_dtype == "auto" else kv_dtype
+    config = model.config
     return Namespace(
-        model.config.architecture, fingerprint, spec.dtype, stored, spec.page_size, parallel.world_size, parallel.rank
-    )
+        config.architecture, fingerprint, spec.dtype, stored, spec.page_size, parallel.world_size, parallel.rank,
+        numerics=numerics_digest(config),
+    )  # fmt: skip
 
 
 def build_tiers(
@@ -41,12 +62,14 @@ def build_tiers(
     redis_url: str | None,
     redis_ttl: int,
     redis_prefix: str,
+    redis_max_pending_bytes: int = 256 << 20,
 ) -> TieredStore:
-    """The host tier (`host_cache_bytes`, 0 = none) and the Redis tier (`redis_url`) behind the pool."""
+    """The host tier (`host_cache_bytes`, 0 = none) and the Redis tier (`redis_url`, at most
+    `redis_max_pending_bytes` of pages queued for writing) behind the pool."""
     if redis_url and not namespace.weights:
         raise ValueError("the Redis KV tier needs the model's fingerprint (LoadStats.fingerprint)")
     codec = PageCodec(kv_cache.spec, namespace.kv_dtype, namespace.key)
-    redis = RedisTier(redis_url, codec, redis_ttl, redis_prefix) if redis_url else None
+    redis = RedisTier(redis_url, codec, redis_ttl, redis_prefix, redis_max_pending_bytes) if redis_url else None
     return TieredStore(kv_cache, codec, host_cache_bytes, redis)
 
 

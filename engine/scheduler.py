@@ -19,10 +19,14 @@ Prefix cache: a request being admitted first takes the pages of its leading full
 found in the device pool by content hash (shared, reference counted), then, once per
 admission, asks the KV connector (host and Redis tiers) for the pages that follow. A lookup
 runs off the step thread: the request is parked in `loading` while the others keep stepping,
-and when the fetch completes (or after `lookup_timeout_s`, with what had arrived) the pages
-are copied in and named by their hash; the request then releases its pages (named pages stay
-revivable in the pool's free list) and rejoins `waiting`, taking them back on admission.
-Pages that fill up are named by their hash once computed, and offered to the connector.
+and when the fetch completes (or at a deadline, with what had arrived) the pages are copied
+in and named by their hash; the request then releases its pages (named pages stay revivable
+in the pool's free list) and rejoins `waiting`, taking them back on admission. The deadline
+gives the lookup as long as fetching is expected to beat recomputing (the connector's
+measured cost against `recompute_s`), at most `lookup_timeout_s`; a remote tier is not even
+asked when recomputing is cheaper. Pages matched in the pool or restored into it are
+`touch`ed (the connector keeps their copies alive). Pages that fill up are named by their hash once computed, and
+offered to the connector.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ import bisect
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple
 
-from engine.kv_connector import KVConnector, NoConnector, PendingFetch
+from engine.kv_connector import KVConnector, NoConnector, PendingFetch, lookup_plan
 from engine.request import Request
 from kvstore.block_pool import BlockPool
 from kvstore.prefix import Namespace, hash_page, max_cached_pages
@@ -63,12 +68,15 @@ class Scheduler:
         *,
         namespace: Namespace | None = None,
         connector: KVConnector | None = None,
-        lookup_timeout_s: float = 0.1,
+        lookup_timeout_s: float = 5.0,
         max_prefill_tokens_per_request: int | None = None,
+        recompute_s: Callable[[int], float] = lambda num_tokens: num_tokens / 1000.0,
     ):
         """Args:
+        lookup_timeout_s: the longest a request waits for a connector lookup.
         max_prefill_tokens_per_request: a prefill chunk's cap while other requests also have
             prompt tokens to compute (None = half the step budget); alone, a prefill takes the budget.
+        recompute_s: expected seconds to prefill this many tokens (`PrefillRate.seconds`).
         """
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
@@ -82,6 +90,7 @@ class Scheduler:
         self.namespace = namespace  # None: prefix caching off
         self.connector = connector or NoConnector()
         self.lookup_timeout_s = lookup_timeout_s
+        self.recompute_s = recompute_s
         self.waiting: list[Request] = []  # by key; none holds pages
         self.running: list[Request] = []  # by key: the last is the first to be preempted
         self.loading: list[_Loading] = []  # waiting for pages from the host or Redis tier
@@ -216,14 +225,19 @@ class Scheduler:
         limit = max_cached_pages(req.num_tokens, self.page_size)
         hashes = self._page_hashes(req, limit)[:limit]
         req.pages = self.pool.match(hashes)
+        if req.pages:
+            self.connector.touch(hashes[: len(req.pages)], req.pages)
         req.num_computed = len(req.pages) * self.page_size
         self._named[req] = len(req.pages)
         if req in self._looked_up or len(req.pages) >= limit:
             return False
         self._looked_up.add(req)
-        fetch = self.connector.fetch(hashes[len(req.pages) :])
+        n = limit - len(req.pages)
+        cost = self.connector.fetch_cost_s(n)
+        remote, wait = lookup_plan(cost, self.recompute_s(n * self.page_size), self.lookup_timeout_s)
+        fetch = self.connector.fetch(hashes[len(req.pages) :], remote=remote)
         if fetch is not None and not fetch.ready():
-            self.loading.append(_Loading(req, fetch, time.monotonic() + self.lookup_timeout_s))
+            self.loading.append(_Loading(req, fetch, time.monotonic() + wait))
             return True
         self._complete(req, fetch, expired=False)
         return False
@@ -263,8 +277,13 @@ class Scheduler:
             fetch.load(pages)
             hashes = self._hashes[req]
             start = len(req.pages)
+            named_hashes, named_pages = [], []
             for i, page in enumerate(pages):
-                self.pool.register(page, hashes[start + i])
+                if self.pool.register(page, hashes[start + i]):
+                    named_hashes.append(hashes[start + i])
+                    named_pages.append(page)
+            if named_pages:  # restored pages are used again, like matched ones
+                self.connector.touch(named_hashes, named_pages)
             req.pages += pages
             req.num_computed = len(req.pages) * self.page_size
             self._named[req] = len(req.pages)

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import msgspec
 
 ROOT = b""  # the parent of a sequence's first page
+# The layout and meaning of a stored page (K after RoPE, V, the page order of the payload).
+# Raise it whenever the engine changes what a page holds: pages of older versions then miss.
+KV_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,11 @@ class Namespace:
         kv_dtype: the dtype pages are stored in outside device memory ("int8" or the model dtype).
         page_size: tokens per page.
         tp_size, tp_rank: tensor-parallel shard (each rank stores its own heads).
+        numerics: a digest of the configuration that changes what K and V hold besides the
+            weights (RoPE type, theta and scaling, context length, windows, norm eps, head
+            shapes), computed by the engine from its model config: K is stored after RoPE, so
+            a replica with an edited `rope_scaling` must never take these pages.
+        format_version: `KV_FORMAT_VERSION` of the code that computed the pages.
     """
 
     architecture: str
@@ -39,6 +47,8 @@ class Namespace:
     page_size: int
     tp_size: int = 1
     tp_rank: int = 0
+    numerics: str = ""
+    format_version: int = KV_FORMAT_VERSION
 
     @property
     def digest(self) -> bytes:

@@ -4,6 +4,14 @@
 host tier (its own byte budget, LRU); full pages computed by the engine are written behind
 to Redis. A lookup takes the leading pages found in host memory at once, and asks Redis for
 the rest on a background thread; the engine admits the request when that completes.
+
+Pages used again (matched in the device pool by hash, or restored from host memory or Redis
+and named there by the scheduler) are `touch`ed: their Redis TTL
+is refreshed, and those Redis turned out not to have (expired,
+lost in an outage, never written while it was down) are written again from device memory.
+The writer thread copies such a page itself (`_copy_for_rewrite`); a page's memory is only
+reused after `evict` has named it, and `evict` takes the same lock, so the copy is never of
+a page being overwritten.
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+
+import torch
 
 from kvstore.codec import PageCodec
 from kvstore.kv_cache import KVCache
@@ -103,6 +113,8 @@ class _Fetch:
             self.store.redis.counters.loaded += len(pages) - n_host
         data = self.store.codec.to_tensor(self.payloads[: len(pages)])
         self.store.kv_cache.write_pages(pages, data)
+        # Not touched here: the scheduler touches the pages it could name; one it could not name
+        # would be reused without `evict`, so its page number must not be kept.
 
 
 class TieredStore:
@@ -121,34 +133,70 @@ class TieredStore:
         self.host = HostTier(host_cache_bytes)
         self.redis = redis
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="longctx-kv-lookup") if redis else None
+        # Touched pages still in device memory: hash -> page, until the page is evicted (at most
+        # one entry per device page).
+        self._resident: dict[bytes, int] = {}
+        self._resident_lock = threading.Lock()
+        if redis is not None:
+            redis.writer.rewrite = self._copy_for_rewrite
 
-    def fetch(self, page_hashes: list[bytes]) -> _Fetch | None:
-        if not page_hashes or (self.host.budget_bytes == 0 and self.redis is None):
+    def fetch(self, page_hashes: list[bytes], remote: bool = True) -> _Fetch | None:
+        """Host pages at once; with `remote`, Redis is asked for the rest on the lookup thread."""
+        if not page_hashes or (self.host.budget_bytes == 0 and (self.redis is None or not remote)):
             return None
         host = self.host.get_prefix(page_hashes)
         fetch = _Fetch(self, host)
         rest = page_hashes[len(host) :]
-        if rest and self.redis is not None and self._lookups is not None and self.redis.available():
+        if rest and remote and self.redis is not None and self._lookups is not None and self.redis.readable():
             fetch.remote = self._lookups.submit(self.redis.get_prefix, rest, fetch.arrived, fetch.cancel)
         return fetch
+
+    def fetch_cost_s(self, num_pages: int) -> float:
+        """Expected seconds for a lookup of `num_pages` pages (as if all came from Redis)."""
+        if self.redis is None or not self.redis.readable():
+            return 0.0  # host memory only: at hand
+        return self.redis.fetch_cost_s(num_pages)
 
     def contains(self, page_hashes: list[bytes]) -> int:
         """How many leading pages the host tier, then Redis, hold (a probe: nothing is loaded or
         verified). Thread-safe: the host tier's lock, redis-py's connection pool."""
         n = self.host.count_prefix(page_hashes)
-        if n < len(page_hashes) and self.redis is not None and self.redis.available():
+        if n < len(page_hashes) and self.redis is not None and self.redis.readable():
             n += self.redis.count_prefix(page_hashes[n:])
         return n
 
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         if self.redis is None:
             return
-        if not self.redis.available():
-            self.redis.counters.dropped += len(pages)  # the tier is down: no copy is taken
+        if not self.redis.writable():
+            self.redis.counters.dropped += len(pages)  # writes are down: no copy is taken
             return
         self.redis.save(page_hashes, self.kv_cache.read_pages(pages))
 
+    def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
+        """Device pages named by these hashes in the pool (matched there, so `evict` will be
+        told before their memory is reused) were used again: refresh their Redis TTL, and write
+        again those Redis was found to lack."""
+        if self.redis is None or not page_hashes:
+            return
+        with self._resident_lock:
+            self._resident.update(zip(page_hashes, pages, strict=True))
+        self.redis.touch(page_hashes)
+
+    def _copy_for_rewrite(self, page_hashes: list[bytes]) -> tuple[list[bytes], torch.Tensor] | None:
+        """(writer thread) A copy of those of these pages still in device memory."""
+        with self._resident_lock:
+            found = [(h, self._resident[h]) for h in page_hashes if h in self._resident]
+            if not found:
+                return None
+            return [h for h, _ in found], self.kv_cache.read_pages([p for _, p in found])
+
     def evict(self, evicted: list[tuple[int, bytes]]) -> None:
+        if self._resident:
+            with self._resident_lock:
+                for page, h in evicted:
+                    if self._resident.get(h) == page:
+                        del self._resident[h]
         if self.host.budget_bytes == 0 or not evicted:
             return
         data = self.kv_cache.read_pages([p for p, _ in evicted])

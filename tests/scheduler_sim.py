@@ -8,11 +8,14 @@ tokens, no request appears twice, waiting requests hold no pages, and every page
 count equals the number of requests holding it.
 
 `FakeConnector` stands in for the host and Redis tiers: it "has" the pages saved to it (or a
-chosen set), and its fetches become ready after `polls` polls, or fail (find nothing).
+chosen set), and its fetches become ready after `polls` polls, or fail (find nothing). Its
+fetches are always worth waiting for (a finite cost against the `Sim`'s endless recompute),
+so the scheduler waits up to `lookup_timeout_s`, as the tests choose.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -66,7 +69,8 @@ class FakeConnector:
             n += 1
         return n
 
-    def fetch(self, page_hashes: list[bytes]) -> FakeFetch | None:
+    def fetch(self, page_hashes: list[bytes], remote: bool = True) -> FakeFetch | None:
+        assert remote, "the Sim never finds recomputing cheaper"
         fail = self.fail_every > 0 and (len(self.fetches) + 1) % self.fail_every == 0
         f = FakeFetch(self._leading(page_hashes), self.polls, fail)
         self.fetches.append(f)
@@ -75,6 +79,12 @@ class FakeConnector:
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         if self.keep_saved:
             self.has.update(page_hashes)
+
+    def fetch_cost_s(self, num_pages: int) -> float:
+        return 1e6  # slow, but recomputing in the Sim is slower still: wait up to the timeout
+
+    def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
+        return None
 
     def evict(self, evicted: list[tuple[int, bytes]]) -> None:
         return None
@@ -95,6 +105,7 @@ class Sim:
         self.pool = BlockPool(num_pages)
         self.page_size = page_size
         kw.setdefault("namespace", Namespace("SimForCausalLM", "ab" * 16, "float32", "float32", page_size))
+        kw.setdefault("recompute_s", lambda num_tokens: math.inf)
         self.sched = Scheduler(self.pool, page_size, budget, **kw)  # type: ignore[arg-type]
         self.budget = budget
         self.requests: dict[str, Request] = {}

@@ -114,3 +114,17 @@ def test_generate_with_tools_and_json_schema(tmp_path: Path, demo_gguf: Path) ->
     tools.write_text(json.dumps(bad))
     out = _longctx("--model", "smollm2-135m-instruct", "--chat", "--prompt", "hi", "--tools", str(tools))
     assert out.returncode == 2 and "oops" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_kv_tier_flags() -> None:
+    import argparse
+
+    from api.cli import _add_engine_args
+
+    p = argparse.ArgumentParser()
+    _add_engine_args(p)
+    default = p.parse_args([])
+    assert (default.kv_redis_max_pending_bytes, default.kv_lookup_timeout) == (256 << 20, 5.0)
+    assert EngineConfig().kv_redis_max_pending_bytes == 256 << 20 and EngineConfig().kv_lookup_timeout_s == 5.0
+    args = p.parse_args(["--kv-redis-max-pending-bytes", "64MiB", "--kv-lookup-timeout", "0.5"])
+    assert (args.kv_redis_max_pending_bytes, args.kv_lookup_timeout) == (64 << 20, 0.5)

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralFo
 from engine.engine import Engine, EngineConfig
 from engine.loading.weights import SafetensorsSource, load_model
 from engine.sampling_params import SamplingParams
-from kvstore.prefix import Namespace, hash_page, max_cached_pages, page_hashes
+from kvstore.prefix import KV_FORMAT_VERSION, Namespace, hash_page, max_cached_pages, page_hashes
 from tests.tiny_models import TinyModel, build_tiny
 
 NS = Namespace("LlamaForCausalLM", "ab" * 16, "float32", "float32", 16)
@@ -48,6 +48,46 @@ def test_chain_namespace_and_salt_separate_pages() -> None:
     assert page_hashes(tokens, 16, NS.salted("tenant-a"))[0] != page_hashes(tokens, 16, NS.salted("tenant-b"))[0]
     assert NS.salted("") == NS.digest
     assert [max_cached_pages(n, 16) for n in (1, 16, 17, 32, 33)] == [0, 0, 1, 1, 2]
+
+
+def numerics_variants(config: Any) -> dict[str, Any]:
+    """Configs that differ from `config` only in what K/V depend on besides the weights."""
+    from dataclasses import replace
+
+    rope = config.rope
+    return {
+        "rope_theta": replace(config, rope=replace(rope, theta=rope.theta * 2)),
+        "rope_scaling": replace(config, rope=replace(rope, type="linear", factor=2.0)),
+        "rope_yarn_factor": replace(config, rope=replace(rope, type="yarn", factor=4.0)),
+        "max_position_embeddings": replace(config, max_position_embeddings=config.max_position_embeddings * 2),
+        "window": replace(config, sliding_windows=(None,) * (config.num_layers - 1) + (64,)),
+        "norm_eps": replace(config, rms_norm_eps=config.rms_norm_eps * 10),
+        "qk_norm": replace(config, qk_norm=not config.qk_norm),
+    }
+
+
+def test_namespace_covers_numerics_and_format_version(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from engine.kv_tiers import numerics_digest
+    from engine.model.config import ModelConfig
+
+    config = ModelConfig.from_hf(
+        {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
+         "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "vocab_size": 160}
+    )  # fmt: skip
+    base = numerics_digest(config)
+    assert base == numerics_digest(replace(config, eos_token_ids=(7,), bos_token_id=1))  # ids name no K or V
+    keys = {NS.key}
+    for name, other in numerics_variants(config).items():
+        digest = numerics_digest(other)
+        assert digest != base, name
+        keys.add(replace(NS, numerics=digest).key)
+    keys.add(replace(NS, format_version=KV_FORMAT_VERSION + 1).key)
+    assert len(keys) == len(numerics_variants(config)) + 2  # every change names other pages
+    assert page_hashes(list(range(16)), 16, replace(NS, format_version=KV_FORMAT_VERSION + 1).digest) != page_hashes(
+        list(range(16)), 16, NS.digest
+    )
 
 
 def fingerprint_of(path: Path) -> str:

@@ -172,8 +172,9 @@ def test_unreachable_or_stalled_redis_degrades_to_no_tier(tiny: tuple[TinyModel,
     logits, cached, _ = first_logits(down, prompt)
     assert cached == 0 and _err(logits, ref) < 1e-5
     assert down.store is not None and down.store.redis is not None
+    assert down.store.redis.flush(10)  # reads and writes fail each on their own
     c = down.store.redis.counters
-    assert c.read_failures == 1 and c.write_failures + c.dropped >= 1
+    assert c.read_failures == 1 and c.write_failures == 1
     down.shutdown()
 
     with private_redis() as url:
@@ -187,19 +188,58 @@ def test_unreachable_or_stalled_redis_degrades_to_no_tier(tiny: tuple[TinyModel,
         e.shutdown()
 
 
-def test_out_of_memory_under_noeviction_is_a_tier_failure(tiny: tuple[TinyModel, str]) -> None:
+def test_out_of_memory_under_noeviction_stops_writes_not_lookups(tiny: tuple[TinyModel, str]) -> None:
     """State and KV in one Redis: `noeviction`, so a full server refuses KV writes; the request
-    still completes and the failure is counted."""
-    prompt = _prompt(tiny, 200, seed=5)
+    still completes, the failure is counted, and pages already stored are still restored."""
+    stored, refused = _prompt(tiny, 200, seed=5), _prompt(tiny, 200, seed=6)
     with private_redis("--maxmemory-policy", "noeviction") as url:
         admin = redis.Redis.from_url(url)
+        first = _engine(tiny, url, "kv")
+        first_logits(first, stored)
+        assert first.store is not None and first.store.redis is not None and first.store.redis.flush(10)
+        assert first.store.redis.counters.written == 12
+        first.shutdown()
         admin.set("state:conversation", b"x" * 100_000)
         used = int(admin.info("memory")["used_memory"])
-        admin.config_set("maxmemory", used - 1)  # the state already fills the server
+        admin.config_set("maxmemory", used - 1)  # the state fills the server
         e = _engine(tiny, url, "kv")
-        logits, _, _ = first_logits(e, prompt)
+        logits, _, _ = first_logits(e, refused)
         assert e.store is not None and e.store.redis is not None and e.store.redis.flush(10)
-        assert e.store.redis.counters.write_failures >= 1 and e.store.redis.counters.written == 0
-        assert _err(logits, _fresh_logits(tiny, prompt)) < 1e-5
+        c = e.store.redis.counters
+        assert c.write_failures >= 1 and c.dropped >= 1 and c.written + c.dropped == 12
+        assert not e.store.redis.writable() and e.store.redis.readable()
+        assert _err(logits, _fresh_logits(tiny, refused)) < 1e-5
+        logits, cached, computed = first_logits(e, stored)  # lookups go on while writes are off
+        assert cached == 12 * 16 and computed == 200 - 12 * 16 and c.loaded == 12 and c.read_failures == 0
+        assert _err(logits, _fresh_logits(tiny, stored)) < 1e-5
         assert admin.get("state:conversation") is not None  # never evicted for KV
         e.shutdown()
+
+
+@pytest.mark.parametrize("change", ["rope_theta", "rope_scaling", "window", "max_position_embeddings"])
+def test_pages_of_other_numerics_miss(tiny: tuple[TinyModel, str], kv_redis: tuple[str, str], change: str) -> None:
+    """Same weights, an edited config: K is stored after RoPE, so the pages must not be taken."""
+    from engine.loading.weights import SafetensorsSource, load_model
+    from tests.test_prefix import numerics_variants
+
+    url, prefix = kv_redis[0], f"{kv_redis[1]}-ns-{change}"
+    prompt = _prompt(tiny, 100, seed=7)
+    writer = _engine(tiny, url, prefix)
+    first_logits(writer, prompt)
+    assert writer.store is not None and writer.store.redis is not None and writer.store.redis.flush(10)
+    writer.shutdown()
+    same = _engine(tiny, url, prefix)
+    assert first_logits(same, prompt)[1] == 96  # the control: an equal config hits
+    same.shutdown()
+
+    t, fp = tiny
+    config = numerics_variants(t.config)[change]
+    model, stats = load_model(config, SafetensorsSource(t.path), torch.float32, progress=False)
+    assert stats.fingerprint == fp  # the weights are the same
+    cfg = EngineConfig(kv_cache_bytes=64 * page_bytes(config), kv_redis_url=url, kv_redis_prefix=prefix)
+    other = Engine(model, None, cfg, fingerprint=fp)
+    assert other.namespace.key != writer.namespace.key
+    _, cached, _ = first_logits(other, prompt)
+    assert other.store is not None and other.store.redis is not None
+    assert cached == 0 and other.store.redis.counters.found == 0 and other.store.redis.counters.missing == 1
+    other.shutdown()

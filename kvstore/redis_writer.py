@@ -1,0 +1,274 @@
+"""The write-behind side of the Redis KV tier: a thread that stores pages and keeps them alive.
+
+`save` only queues a snapshot of the pages; the writer thread encodes them (header +
+checksum, int8 if asked) and sends them in pipelines of `SET ... EX ttl` of at most
+`BATCH_BYTES`, usually within milliseconds of the page filling. The queue is bounded in
+bytes (`max_pending_bytes`): past it new pages are dropped, never waited for.
+
+Lifetime: a page's TTL is refreshed (pipelined `EXPIRE`) whenever the engine uses it again,
+at most once per `refresh_s`, so a conversation in use never expires. An `EXPIRE` that finds
+no key (expired, evicted, lost in an outage) asks `rewrite` for a copy of the page (the store
+still holds it in device memory) and writes it again at once.
+
+A failed pipeline (unreachable, timeout, out of memory under `noeviction`) turns writes off
+for `retry_s` with one warning; reads are the reader's business and go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import redis
+import torch
+
+from kvstore.codec import PageCodec
+from kvstore.transfer_estimate import TransferEstimate
+
+log = logging.getLogger("longctx.kv.redis")
+
+BATCH_BYTES = 8 << 20  # most bytes per pipeline or MGET
+MAX_REFRESH_S = 60.0  # a used page's TTL is refreshed at most this often (and at most every TTL / 3)
+TRACKED_PAGES = 1 << 18  # pages whose last refresh is remembered, LRU
+
+
+@dataclass(slots=True)
+class RedisCounters:
+    written: int = 0  # pages stored
+    write_failures: int = 0  # failed pipelines (each drops what it did not store)
+    dropped: int = 0  # pages not written: queue full or writes down
+    found: int = 0  # pages read back and verified
+    loaded: int = 0  # of those, pages copied into device memory
+    missing: int = 0  # lookups that stopped at an absent key
+    bad_pages: int = 0  # values rejected by the codec (damaged, truncated, foreign)
+    read_failures: int = 0  # failed MGETs
+    refreshed: int = 0  # TTLs refreshed on use
+    absent: int = 0  # used pages whose key was gone when refreshed
+    rewritten: int = 0  # of those, pages written again from device memory
+
+
+class _Save(NamedTuple):
+    hashes: list[bytes]
+    pages: torch.Tensor  # [N, L, 2, P, H, D] model dtype, a copy
+    num_bytes: int
+
+
+class _Touch(NamedTuple):
+    hashes: list[bytes]
+
+
+class RedisWriter:
+    """Args:
+    client: the writer's connection (its socket timeout bounds a stalled write).
+    codec: page encoding for this model and storage dtype.
+    key: the Redis key of a page hash.
+    ttl_s: expiry of every page key, refreshed on use.
+    max_pending_bytes: most bytes of page copies waiting to be written.
+    counters, link: shared with the reader (one set of counters, one estimate of the link).
+    retry_s: how long a failure keeps writes off.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        codec: PageCodec,
+        key: Callable[[bytes], str],
+        ttl_s: int,
+        max_pending_bytes: int,
+        counters: RedisCounters,
+        link: TransferEstimate,
+        retry_s: float = 5.0,
+    ):
+        self.client = client
+        self.codec = codec
+        self.key = key
+        self.ttl_s = ttl_s
+        self.refresh_s = min(MAX_REFRESH_S, ttl_s / 3)
+        self.max_pending_bytes = max_pending_bytes
+        self.counters = counters
+        self.link = link
+        self.retry_s = retry_s
+        self.value_bytes = codec.payload_len + 128  # the payload and a header of about 100 bytes
+        self._queue: queue.Queue[_Save | _Touch | None] = queue.Queue()
+        self._pending_bytes = 0
+        self._pending_items = 0
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._refreshed: OrderedDict[bytes, float] = OrderedDict()  # page -> last write or refresh
+        # Called on the writer thread with pages found gone on refresh: a copy of those still
+        # at hand, (hashes, pages [N, L, 2, P, H, D]), to write again, or None.
+        self.rewrite: Callable[[list[bytes]], tuple[list[bytes], torch.Tensor] | None] | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._write_loop, name="longctx-kv-writer", daemon=True)
+        self._thread.start()
+
+    def writable(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, e: Exception) -> None:
+        was_up = self.writable()
+        self._down_until = time.monotonic() + self.retry_s
+        if was_up:
+            log.warning("KV Redis writes off for %.0f s (%s); lookups go on", self.retry_s, e)
+
+    def save(self, page_hashes: list[bytes], pages: torch.Tensor) -> None:
+        """Queue pages [N, L, 2, P, H, D] (a copy, model dtype) for writing; never blocks."""
+        num_bytes = pages.numel() * pages.element_size()
+        with self._lock:
+            if not self.writable() or self._pending_bytes + num_bytes > self.max_pending_bytes:
+                self.counters.dropped += len(page_hashes)
+                return
+            self._pending_bytes += num_bytes
+            self._pending_items += 1
+            self._idle.clear()
+            now = time.monotonic()
+            for h in page_hashes:  # a SET starts a fresh TTL
+                self._remember(h, now)
+        self._queue.put(_Save(page_hashes, pages, num_bytes))
+
+    def touch(self, page_hashes: list[bytes]) -> None:
+        """These pages were used again: refresh the TTL of those not refreshed for `refresh_s`
+        (on the writer thread; never blocks)."""
+        if not page_hashes or not self.writable():
+            return
+        now = time.monotonic()
+        due = []
+        with self._lock:
+            for h in page_hashes:
+                last = self._refreshed.get(h)
+                if last is None or now - last >= self.refresh_s:
+                    self._remember(h, now)
+                    due.append(h)
+            if not due:
+                return
+            self._pending_items += 1
+            self._idle.clear()
+        self._queue.put(_Touch(due))
+
+    def _remember(self, h: bytes, now: float) -> None:
+        self._refreshed[h] = now
+        self._refreshed.move_to_end(h)
+        if len(self._refreshed) > TRACKED_PAGES:
+            self._refreshed.popitem(last=False)
+
+    def _write_loop(self) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self.client.ping()  # connect before the first write
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            size = item.num_bytes if isinstance(item, _Save) else 0
+            while size < BATCH_BYTES:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)
+                    break
+                batch.append(nxt)
+                size += nxt.num_bytes if isinstance(nxt, _Save) else 0
+            saves = [b for b in batch if isinstance(b, _Save)]
+            touches = [h for b in batch if isinstance(b, _Touch) for h in b.hashes]
+            try:
+                self._write(saves)
+                self._refresh(touches)
+            except Exception as e:  # never let the writer thread die
+                log.exception("KV writer: %s", e)
+            with self._lock:
+                self._pending_bytes -= size
+                self._pending_items -= len(batch)
+                if self._pending_items == 0:
+                    self._idle.set()
+
+    def _execute(self, pipe: redis.client.Pipeline, num_bytes: int | None) -> list[object]:
+        """Run a pipeline; one that moved `num_bytes` of values is timed into the link estimate
+        (None: many small commands, whose cost is per command rather than per byte)."""
+        t0 = time.monotonic()
+        results: list[object] = pipe.execute(raise_on_error=False)
+        if num_bytes is not None:
+            self.link.observe(num_bytes, time.monotonic() - t0)
+        return results
+
+    def _write(self, saves: list[_Save]) -> None:
+        """SET every page, in pipelines of at most BATCH_BYTES."""
+        pending: list[tuple[bytes, bytes]] = []
+        for item in saves:
+            pending += zip(item.hashes, self.codec.payloads(item.pages), strict=True)
+        start = 0
+        while start < len(pending):
+            if not self.writable():
+                self.counters.dropped += len(pending) - start
+                return
+            pipe = self.client.pipeline(transaction=False)
+            num_bytes = 0
+            end = start
+            while end < len(pending) and (end == start or num_bytes + self.value_bytes <= BATCH_BYTES):
+                h, payload = pending[end]
+                value = self.codec.encode(h, payload)
+                pipe.set(self.key(h), value, ex=self.ttl_s)
+                num_bytes += len(value)
+                end += 1
+            try:
+                results = self._execute(pipe, num_bytes)
+            except redis.RedisError as e:
+                results = [e] * (end - start)
+            errors = [r for r in results if isinstance(r, Exception)]
+            self.counters.written += len(results) - len(errors)
+            if errors:  # e.g. OOM under noeviction: writes stop for a while, reads go on
+                self.counters.write_failures += 1
+                self.counters.dropped += len(errors)
+                self._failed(errors[0])
+            start = end
+
+    def _refresh(self, hashes: list[bytes]) -> None:
+        """Pipelined EXPIRE; a page whose key is gone is written again if `rewrite` has it."""
+        if not hashes or not self.writable():
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for h in hashes:
+            pipe.expire(self.key(h), self.ttl_s)
+        try:
+            results = self._execute(pipe, None)
+        except redis.RedisError as e:
+            results = [e]
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:
+            self.counters.write_failures += 1
+            self._failed(errors[0])
+            with self._lock:  # not refreshed: try again on the next use
+                for h in hashes:
+                    self._refreshed.pop(h, None)
+            return
+        gone = [h for h, ok in zip(hashes, results, strict=True) if not ok]
+        self.counters.refreshed += len(hashes) - len(gone)
+        self.counters.absent += len(gone)
+        copy = self.rewrite(gone) if gone and self.rewrite is not None else None
+        if copy is not None:
+            written = self.counters.written
+            self._write([_Save(copy[0], copy[1], 0)])
+            self.counters.rewritten += self.counters.written - written
+        again = set(copy[0]) if copy is not None else set()
+        with self._lock:  # those not written again: look again on the next use
+            for h in gone:
+                if h not in again:
+                    self._refreshed.pop(h, None)
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued write and refresh is done or dropped (tests, shutdown)."""
+        return self._idle.wait(timeout_s)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+        self.client.close()
