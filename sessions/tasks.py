@@ -87,7 +87,10 @@ class BackgroundWorkers:
                 await asyncio.sleep(1)
                 continue
             for job in jobs:
-                await self.run_job(consumer, job)
+                try:
+                    await self.run_job(consumer, job)
+                except StoreError as e:  # the ack: the job is rerun (its response is final: skipped)
+                    log.warning("background job %s not acknowledged: %s", job.response_id, e)
 
     async def _claim_stale(self, consumer: str) -> None:
         while True:
@@ -106,23 +109,31 @@ class BackgroundWorkers:
             await asyncio.sleep(self.heartbeat_s)
 
     async def run_job(self, consumer: str, job: Job) -> Response | None:
-        """Run one job to its end (backing off while the engine is overloaded), then ack it."""
+        """Run one job to its end (backing off while the engine is overloaded), then ack it. A job
+        that fails otherwise (Redis unavailable, ...) is left pending: its heartbeat stops, and
+        it is taken over and rerun once idle for `claim_idle_s`."""
         beat = asyncio.create_task(self._heartbeat(consumer, job))
         backoff = 0.5
         try:
             while True:
                 try:
-                    return await self._run(job)
+                    final = await self._run(job)
+                    break
                 except (EngineOverloaded, ConversationBusy) as e:
                     wait = max(backoff, e.retry_after_s if isinstance(e, EngineOverloaded) else 0.0)
                     log.info("background response %s waits %.1f s: %s", job.response_id, wait, e)
                     await asyncio.sleep(wait)
                     backoff = min(2 * backoff, 10.0)
                 except NotFound:
-                    return None  # deleted meanwhile
+                    final = None  # deleted meanwhile
+                    break
+                except Exception:
+                    log.exception("background response %s failed; it stays queued for a rerun", job.response_id)
+                    return None
         finally:
             beat.cancel()
-            await self.store.jobs.ack(job.id)
+        await self.store.jobs.ack(job.id)
+        return final
 
     async def _heartbeat(self, consumer: str, job: Job) -> None:
         while True:

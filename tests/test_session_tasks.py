@@ -102,3 +102,22 @@ def test_cancel_acts_within_seconds(run: Run, where: str) -> None:
         assert r.status == "completed" and isinstance(r.output[0], Message)
 
     run(body)
+
+
+def test_cancel_while_queued_never_runs(run: Run) -> None:
+    async def body(svc: SessionService) -> None:
+        queued = await svc.create(TENANT, {**QUESTION, "background": True})
+        assert (await svc.cancel(TENANT, queued.id)).status == "cancelled"
+        computed = svc.engine.stats.prompt_tokens_computed
+
+        async def drained() -> None:  # its job was claimed and acked
+            ours = queued.id.encode()
+            while any(f[b"resp"] == ours for _, f in await svc.store.client.xrange(svc.store.keys.jobs)):
+                await asyncio.sleep(0.05)
+
+        await with_workers(svc, asyncio.wait_for(drained(), 10))
+        assert (await svc.retrieve(TENANT, queued.id)).status == "cancelled"
+        assert svc.engine.stats.prompt_tokens_computed == computed  # never reached the engine
+        assert await svc.store.events.read(TENANT, queued.id) == []
+
+    run(body)
