@@ -41,7 +41,22 @@ async def load_context(store: SessionStore, tenant: str, request: ResponseReques
     else:
         ctx = TurnContext([], None, None)
     check_backfill(ctx.history, request.input_items)
+    check_ids(ctx.history if request.conversation_id is not None else [], request.input_items)
     return ctx
+
+
+def check_ids(history: Sequence[Item], input_items: Sequence[Item]) -> None:
+    """Input item ids must be new: not in the conversation, not twice in the input (a commit
+    would refuse them after the whole generation).
+
+    Raises:
+        InvalidParam: naming `input[i].id`.
+    """
+    seen = {item.id for item in history}
+    for i, item in enumerate(input_items):
+        if item.id in seen:
+            raise InvalidParam(f"input[{i}].id", f"item {item.id!r} is already in the conversation or the input")
+        seen.add(item.id)
 
 
 def check_backfill(history: Sequence[Item], input_items: Sequence[Item]) -> None:

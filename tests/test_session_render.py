@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.loading.tokenizer import Tokenizer
-from sessions.context import check_backfill
+from sessions.context import check_backfill, check_ids
 from sessions.items import FunctionCall, FunctionCallOutput, Item, Message, OutputText, parse_input
 from sessions.reasoning import ReasoningSplitter, opens_in_reasoning
 from sessions.render import build_prompt, decode_exact, encode, render_text, to_messages
@@ -136,3 +136,13 @@ def test_reasoning_from_an_open_think_and_plain_replies() -> None:
     assert [p.text for p in plain.feed("<b>hi") + plain.finish()] == ["<b>hi"]
     off = ReasoningSplitter(enabled=False)
     assert [p.reasoning for p in off.feed("<think>x</think>")] == [False]
+
+
+def test_input_ids_must_be_new() -> None:
+    history = parse_input([{"id": "msg_1", "role": "user", "content": "hi"}])
+    check_ids(history, parse_input("again"))
+    twice = [{"id": "m", "role": "user", "content": "x"}, {"id": "m", "role": "user", "content": "y"}]
+    for hist, new in [(history, [{"id": "msg_1", "role": "user", "content": "x"}]), ([], twice)]:
+        with pytest.raises(InvalidParam) as e:
+            check_ids(hist, parse_input(new))
+        assert e.value.param == f"input[{len(new) - 1}].id"
