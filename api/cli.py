@@ -6,6 +6,7 @@ stdout carries only generated text; logs and progress bars go to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -109,6 +110,7 @@ def _generate(args: argparse.Namespace) -> int:
 
         structured = StructuredRun.from_args(args, tok, loaded.config.vocab_size)
         prompt_ids = structured.prompt_ids
+        params = dataclasses.replace(params, skip_special_tokens=structured.skip_special_tokens)
     elif args.chat:
         prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:

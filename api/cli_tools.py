@@ -38,12 +38,14 @@ class StructuredRun:
     prompt_ids: list[int]
     matcher: Matcher
     parser: Any  # tools.calls.ToolCallParser | None
+    skip_special_tokens: bool = True  # False when the call marker is a special token
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, tok: Tokenizer, vocab_size: int) -> StructuredRun:
         from tools.calls import ToolCallParser
-        from tools.formats import detect_format, render_prompt, resolve_format
+        from tools.formats import detect_format, needs_special_tokens, resolve_format
         from tools.grammar import GrammarCompiler
+        from tools.prompt import render_prompt
         from tools.schema import parse_tools
 
         compiler = GrammarCompiler(tok, vocab_size)
@@ -58,7 +60,8 @@ class StructuredRun:
         if choice not in ("auto", "none", "required"):
             choice = {"type": "function", "function": {"name": choice}}
         grammar = compiler.tool_calls(fmt, tools, choice, parallel_tool_calls=not args.no_parallel_tool_calls)
-        return cls(render_prompt(tok, messages, tools), compiler.matcher(grammar), ToolCallParser(fmt, tools))
+        prompt, parser = render_prompt(tok, messages, tools), ToolCallParser(fmt, tools)
+        return cls(prompt, compiler.matcher(grammar), parser, not needs_special_tokens(fmt, tok))
 
     def feed(self, text: str, last: bool) -> str:
         """Text to print now; finished calls are returned as JSON lines in place."""

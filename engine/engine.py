@@ -3,49 +3,63 @@
 `step()` is schedule -> run -> sample -> postprocess. `run_forever()` steps on its own
 thread; `add_request` and `abort` may be called from any thread or from async code: they
 post to an inbox the step thread drains between steps, so the loop owns all its state.
+
+A failure tied to one request (its grammar dead-ends or raises, its consumer's event loop
+has closed, its sampling or detokenizing raises) ends that request alone with
+`FinishReason.ERROR` and a message; the others go on. Only a fault of the forward pass
+fails the whole step, and then every request gets an error output: none is left hanging.
+`shutdown()` ends every open request with `FinishReason.ABORT`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 
 from engine.distributed.parallel import SINGLE, ParallelContext
-from engine.grammar import GrammarHook, Matcher, new_bitmask
+from engine.grammar import GrammarHook, Matcher
 from engine.kv_connector import KVConnector, NoConnector
 from engine.kv_tiers import build_tiers, kv_namespace, kv_stats
 from engine.loading.tokenizer import Tokenizer
 from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
 from engine.model_runner import Chunk, ModelRunner
+from engine.output_processor import OutputProcessor
 from engine.prefill_rate import PrefillRate
 from engine.request import (
+    ConsumerGone,
     ContextTooLong,
     EngineOverloaded,
     FinishReason,
     Request,
     RequestHandle,
     RequestOutput,
-    TokenLogprob,
 )
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.snapshot import EngineSnapshot
+from engine.stats import EngineStats
 from kvstore.block_pool import BlockPool
 from kvstore.prefix import max_cached_pages, page_hashes
 from kvstore.tiers import TieredStore
 
 log = logging.getLogger("longctx.engine")
+
+
+class EngineClosed(RuntimeError):
+    """`add_request` after `shutdown()`."""
 
 
 @dataclass(frozen=True)
@@ -87,15 +101,6 @@ class EngineConfig:
             raise ValueError("host_cache_bytes must be >= 0 and kv_redis_ttl >= 1")
         if self.kv_redis_max_pending_bytes < 0 or self.kv_lookup_timeout_s < 0:
             raise ValueError("kv_redis_max_pending_bytes and kv_lookup_timeout_s must be >= 0")
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens_computed: int = 0
-    generated_tokens: int = 0
-    finished: int = 0
-    ttft_s: list[float] = field(default_factory=list)  # per request, time to first token
 
 
 class Engine:
@@ -154,13 +159,16 @@ class Engine:
             recompute_s=self.prefill_rate.seconds,
         )
         self.sampler = Sampler()
+        self.stats = EngineStats()
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else self.model_config.eos_token_ids)
-        self.stats = EngineStats()
+        self.output_processor = OutputProcessor(self.sampler, self.grammar_hook, self.eos_token_ids, self.stats)
         self._requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._closing = threading.Lock()  # add_request vs shutdown: no request slips in after the last drain
+        self._closed = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._queued = 0  # added, not yet running or finished (any thread: under _queued_lock)
@@ -214,9 +222,32 @@ class Engine:
 
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.skip_special_tokens)
             req.stopper = StopChecker(params.stop)
-        self._inbox.put(("add", req))
+        with self._closing:
+            if self._closed:
+                with self._queued_lock:
+                    self._queued -= 1
+                raise EngineClosed("the engine has been shut down")
+            self._inbox.put(("add", req))
         self._wake.set()
         return handle
+
+    @contextlib.asynccontextmanager
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str = "",
+        matcher: Matcher | None = None,
+    ) -> AsyncIterator[RequestHandle]:
+        """`async with engine.generate(ids, params) as handle:`; leaving the block before the
+        final output (an exception, a cancelled task, a client gone) aborts the request."""
+        handle = self.add_request(
+            prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, matcher=matcher
+        )
+        async with handle:
+            yield handle
 
     def abort(self, request_id: str) -> None:
         """Stop a request; safe from any thread and from async code (never blocks)."""
@@ -230,17 +261,37 @@ class Engine:
         self._drain_inbox()
         chunks = self.scheduler.schedule()
         self._leave_queue([c.request for c in chunks if c.request in self._unstarted])
+        self.stats.preemptions = self.scheduler.num_preemptions
         if not chunks:
             self._publish()
             return False
-        logits = self._run(chunks)
+        self._note_scheduled(chunks)
+        try:
+            logits = self._run(chunks)
+        except Exception as e:  # a fault of the model itself: nothing of this step can be trusted
+            log.exception("forward pass failed")
+            self._fail_all(f"engine error in the forward pass: {e}")
+            self._publish()
+            return True
         self.scheduler.computed([c.request for c in chunks])
-        sampled = [i for i, c in enumerate(chunks) if c.sample]
-        if sampled:
-            self._sample_and_emit([chunks[i].request for i in sampled], logits[sampled])
+        rows = [i for i, c in enumerate(chunks) if c.sample]
+        reqs = [chunks[i].request for i in rows]
+        outs = self.output_processor(reqs, logits[rows]) if rows else []
+        for r, out in zip(reqs, outs, strict=True):
+            if out.finish_reason is not None:
+                self._finish(r, out.finish_reason)
         self.stats.steps += 1
-        self._publish()
+        self._publish()  # before the outputs: a consumer that sees its final output sees it counted
+        self._push(reqs, outs)
         return True
+
+    def _note_scheduled(self, chunks: list[ScheduledChunk]) -> None:
+        now = time.monotonic()
+        for c in chunks:
+            r = c.request
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+                self.stats.queue_time.observe(now - r.arrival)
 
     def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         batch = []
@@ -258,63 +309,47 @@ class Engine:
             c.request.num_computed += c.num_tokens
         return logits
 
-    def _sample_and_emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        bitmask = None
-        matchers = [r.matcher for r in reqs]
-        if any(m is not None for m in matchers):
-            bitmask = new_bitmask(len(reqs), logits.shape[-1])
-            self.grammar_hook.fill(matchers, bitmask)
-        out = self.sampler(
-            logits, [r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs], bitmask
-        )
-        for r, tok, lp in zip(reqs, out.token_ids, out.logprobs, strict=True):
-            top = None
-            if lp is not None:
-                top = [TokenLogprob(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))]
-            self._postprocess(r, tok, top)
+    def _push(self, reqs: list[Request], outs: list[RequestOutput]) -> None:
+        """Hand each request its output; a request whose consumer is gone ends with an error."""
+        gone = False
+        for r, out in zip(reqs, outs, strict=True):
+            try:
+                r.handle.push(out)
+            except ConsumerGone as e:
+                self._fail(r, str(e))
+                gone = True
+        if gone:
+            self._publish()
 
-    def _postprocess(self, r: Request, tok: int, logprobs: list[TokenLogprob] | None) -> None:
-        now = time.monotonic()
-        if r.first_token_time is None:
-            r.first_token_time = now
-            self.stats.ttft_s.append(now - r.arrival)
-        p = r.params
-        finish: FinishReason | None = None
-        error = None
-        ids: list[int] = []
-        text = ""
-        if p.max_tokens == 0:
-            finish, logprobs = FinishReason.LENGTH, None
-        elif (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            finish = FinishReason.STOP
-        else:
-            r.output_ids.append(tok)
-            ids = [tok]
-            self.stats.generated_tokens += 1
-            if r.matcher is not None and not r.matcher.accept_token(tok):
-                reason = getattr(r.matcher, "error", None) or f"token {tok} rejected by the output grammar"
-                finish, error = FinishReason.ERROR, reason
-            if r.detok is not None:
-                text, hit = r.stopper.feed(r.detok.add(tok))
-                if hit:
-                    finish = FinishReason.STOP
-            if finish is None and len(r.output_ids) >= p.max_tokens:
-                finish = FinishReason.LENGTH
-            if finish is None and r.matcher is not None and r.matcher.is_terminated():
-                finish = FinishReason.STOP
-        if finish is not None and r.detok is not None and not r.stopper.stopped:
-            text += r.stopper.feed(r.detok.flush())[0] + r.stopper.flush()
-        r.handle.push(RequestOutput(ids, text, logprobs, finish, len(r.prompt_ids), r.cached_tokens, error))
-        if finish is not None:
-            self._finish(r)
-
-    def _finish(self, r: Request) -> None:
+    def _finish(self, r: Request, reason: FinishReason) -> None:
+        if r.finished:
+            return
         r.finished = True
         if r in self._unstarted:
             self._leave_queue([r])
-        self.scheduler.finish(r)
         self._requests.pop(r.id, None)
-        self.stats.finished += 1
+        self.stats.count_finished(reason.value)
+        self.stats.e2e.observe(time.monotonic() - r.arrival)
+        self.scheduler.finish(r)
+
+    def _end(self, r: Request, reason: FinishReason, error: str | None = None) -> None:
+        """Finish a request with a final output carrying no token."""
+        self._finish(r, reason)
+        self._push_final(r, reason, error)
+
+    def _fail(self, r: Request, error: str) -> None:
+        log.warning("request %s failed: %s", r.id, error)
+        self._end(r, FinishReason.ERROR, error)
+
+    def _fail_all(self, error: str) -> None:
+        for req in list(self._requests.values()):
+            self._end(req, FinishReason.ERROR, error)
+
+    @staticmethod
+    def _push_final(r: Request, reason: FinishReason, error: str | None = None) -> None:
+        out = RequestOutput(r.id, [], "", None, reason, len(r.prompt_ids), r.cached_tokens, error)
+        with contextlib.suppress(ConsumerGone):  # queued all the same; nobody is left to wake
+            r.handle.push(out)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -327,22 +362,17 @@ class Engine:
                 self._unstarted.add(item)
                 if item.id in self._requests:
                     self._leave_queue([item])
-                    item.handle.push(self._final(item, FinishReason.ERROR, f"request id {item.id!r} already in use"))
+                    self._push_final(item, FinishReason.ERROR, f"request id {item.id!r} already in use")
                     continue
                 self._requests[item.id] = item
                 self.scheduler.add(item)
             elif kind == "abort":
                 req = self._requests.get(str(item))
                 if req is not None:
-                    req.handle.push(self._final(req, FinishReason.ABORT))
-                    self._finish(req)
+                    self._end(req, FinishReason.ABORT)
             elif kind == "query":  # from cached_prefix_tokens on another thread
                 hashes, answer = cast("tuple[list[bytes], Future[int]]", item)
                 answer.set_result(self._on_device(hashes))
-
-    @staticmethod
-    def _final(r: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
-        return RequestOutput([], "", None, reason, len(r.prompt_ids), r.cached_tokens, error)
 
     def _leave_queue(self, reqs: list[Request]) -> None:
         """These requests started running or finished: they no longer count against max_queued."""
@@ -405,7 +435,12 @@ class Engine:
     def run_until_idle(self) -> None:
         """Step on the calling thread until every request has finished."""
         while self.has_unfinished():
-            if not self.step() and self.scheduler.loading:
+            try:
+                busy = self.step()
+            except Exception as e:
+                self._fail_all(f"engine error: {e}")
+                raise
+            if not busy and self.scheduler.loading:
                 time.sleep(0.001)  # a request waits for KV pages from the host or Redis tier
 
     def kv_stats(self) -> dict[str, dict[str, int]]:
@@ -417,11 +452,9 @@ class Engine:
         while not self._stop.is_set():
             try:
                 busy = self.step()
-            except Exception as e:  # fail the requests in flight, keep serving
+            except Exception as e:  # a bug outside any one request: fail those in flight, keep serving
                 log.exception("engine step failed")
-                for req in list(self._requests.values()):
-                    req.handle.push(self._final(req, FinishReason.ERROR, f"engine error: {e}"))
-                    self._finish(req)
+                self._fail_all(f"engine error: {e}")
                 busy = False
             if not busy:
                 self._wake.wait(timeout=0.002 if self.scheduler.loading else 0.5)
@@ -435,11 +468,37 @@ class Engine:
         return self
 
     def shutdown(self) -> None:
+        """Stop the loop and end every open request with `FinishReason.ABORT`, so that every
+        consumer (blocking or async) returns; `add_request` raises `EngineClosed` from now on."""
+        with self._closing:
+            self._closed = True
         self._stop.set()
         self._wake.set()
+        stuck = False
         if self._thread is not None:
             self._thread.join(timeout=10)
+            stuck = self._thread.is_alive()
             self._thread = None
+        if stuck:  # inside a forward pass: its state is not ours to touch, but no consumer may hang
+            log.error("engine thread did not stop within 10 s; aborting its requests' outputs only")
+            for req in list(self._requests.values()):
+                self._push_final(req, FinishReason.ABORT)
+        else:
+            while True:  # requests never drained hold nothing yet: only their consumers to release
+                try:
+                    kind, item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add" and isinstance(item, Request):
+                    self._unstarted.add(item)
+                    self._leave_queue([item])
+                    self._push_final(item, FinishReason.ABORT)
+                elif kind == "query":
+                    hashes, answer = cast("tuple[list[bytes], Future[int]]", item)
+                    answer.set_result(self._on_device(hashes))
+            for req in list(self._requests.values()):
+                self._end(req, FinishReason.ABORT)
+            self._publish()
         if self.store is not None:
             self.store.close()
 

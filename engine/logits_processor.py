@@ -44,6 +44,23 @@ def apply_token_bitmask_(logits: Tensor, bitmask: Tensor) -> None:
     logits[rows] = logits[rows].masked_fill_(~allowed, _NEG_INF)
 
 
+def rows_without_token(bitmask: Tensor, vocab_size: int) -> list[int]:
+    """Rows of a grammar bitmask that allow no token id below `vocab_size` (a dead-ended grammar).
+
+    The engine ends those requests alone, before the batch is masked; `apply_token_bitmask_`
+    refuses such a row, since no distribution can be drawn from it.
+
+    Args:
+        bitmask: [B, ceil(V / 32)] int32, as in `apply_token_bitmask_`.
+        vocab_size: V, the logits width; bits past it never count.
+    """
+    full, rest = divmod(vocab_size, 32)
+    alive = (bitmask[:, :full] != 0).any(dim=1)  # [B]
+    if rest:
+        alive |= (bitmask[:, full] & ((1 << rest) - 1)) != 0
+    return (~alive).nonzero().squeeze(1).tolist()  # type: ignore[no-any-return]
+
+
 def process_logits(
     logits: Tensor,
     params: list[SamplingParams],

@@ -11,7 +11,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -53,8 +53,13 @@ class TokenLogprob(NamedTuple):
 
 
 class RequestOutput(NamedTuple):
-    """One increment of a request's output; the last one carries `finish_reason`."""
+    """One increment of a request's output; the last one carries `finish_reason`.
 
+    `logprobs`, when present, has one entry per id in `token_ids`: a token that ends the request
+    without being emitted (end-of-sequence, a stop token, one the grammar rejects) has none.
+    """
+
+    request_id: str
     token_ids: list[int]
     text_delta: str
     logprobs: list[TokenLogprob] | None
@@ -64,58 +69,112 @@ class RequestOutput(NamedTuple):
     error: str | None = None
 
 
+class ConsumerGone(RuntimeError):
+    """The handle's asyncio consumer can no longer be woken (its event loop has closed)."""
+
+
 class RequestHandle:
-    """The caller's side of a request."""
+    """The caller's side of a request.
+
+    Iterate it blocking (`for out in handle`) or from asyncio (`async for out in handle`). A
+    consumer that stops early (break, a cancelled task, an exception) aborts the request, so
+    nothing keeps generating for nobody; so does leaving `with handle:` / `async with handle:`
+    before the final output.
+    """
 
     _END = object()
 
-    def __init__(self, request_id: str, abort: Any):
+    def __init__(self, request_id: str, abort: Callable[[str], None]):
         self.id = request_id
         self._abort = abort
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
-        self.finished = False
+        self._closed = False  # the final output has been pushed
+        self.finished = False  # the consumer has read the final output
+
+    @property
+    def done(self) -> bool:
+        """True once the engine has pushed the final output (the consumer may not have read it)."""
+        return self._closed
 
     def push(self, out: RequestOutput) -> None:
-        """Called by the engine thread."""
-        self._queue.put(out)
-        if out.finish_reason is not None:
-            self._queue.put(self._END)
+        """Called by the engine thread; outputs after the final one are dropped.
+
+        Raises:
+            ConsumerGone: the output is queued, but the asyncio consumer's loop has closed; the
+                engine ends the request (later pushes only queue).
+        """
         with self._lock:
+            if self._closed:
+                return
+            self._closed = out.finish_reason is not None
+            self._queue.put(out)
+            if self._closed:
+                self._queue.put(self._END)
             loop, event = self._loop, self._event
-        if loop is not None and event is not None:
+        if loop is None or event is None:
+            return
+        try:
             loop.call_soon_threadsafe(event.set)
+        except RuntimeError as e:  # "Event loop is closed"
+            with self._lock:
+                self._loop = self._event = None
+            raise ConsumerGone(f"the consumer of request {self.id!r} is gone: {e}") from e
 
     def abort(self) -> None:
         self._abort(self.id)
 
+    def _stopped_early(self) -> None:
+        """The consumer left: abort unless the final output is already out (then it is a no-op)."""
+        if not self._closed:
+            self.abort()
+
     def __iter__(self) -> Iterator[RequestOutput]:
-        while True:
-            item = self._queue.get()
-            if item is self._END:
-                self.finished = True
-                return
-            yield item
+        try:
+            while True:
+                item = self._queue.get()
+                if item is self._END:
+                    self.finished = True
+                    return
+                yield item
+        finally:  # GeneratorExit on break / close(), or an exception in the consumer
+            self._stopped_early()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         with self._lock:
             self._loop = asyncio.get_running_loop()
-            self._event = asyncio.Event()
-        event = self._event
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                event.clear()
-                if self._queue.empty():
-                    await event.wait()
-                continue
-            if item is self._END:
-                self.finished = True
-                return
-            yield item
+            self._event = event = asyncio.Event()
+        try:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    event.clear()
+                    if self._queue.empty():
+                        await event.wait()
+                    continue
+                if item is self._END:
+                    self.finished = True
+                    return
+                yield item
+        finally:  # break (on the generator's finalization), task cancelled, consumer error
+            with self._lock:
+                self._loop = self._event = None
+            self._stopped_early()
+
+    def __enter__(self) -> RequestHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopped_early()
+
+    async def __aenter__(self) -> RequestHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stopped_early()
 
     def result(self) -> tuple[list[int], str, FinishReason | None]:
         """Block until finished; returns (all token ids, full text, finish reason)."""
@@ -145,7 +204,9 @@ class Request:
     cached_tokens: int = 0
     num_preemptions: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # queue time ends here
     first_token_time: float | None = None
+    last_token_time: float | None = None  # inter-token latency starts here
     detok: Any = None  # engine.detokenizer.IncrementalDetokenizer
     stopper: Any = None  # engine.detokenizer.StopChecker
     finished: bool = False

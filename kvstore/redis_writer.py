@@ -10,8 +10,12 @@ at most once per `refresh_s`, so a conversation in use never expires. An `EXPIRE
 no key (expired, evicted, lost in an outage) asks `rewrite` for a copy of the page (the store
 still holds it in device memory) and writes it again at once.
 
-A failed pipeline (unreachable, timeout, out of memory under `noeviction`) turns writes off
-for `retry_s` with one warning; reads are the reader's business and go on.
+A pipeline that fails whole on a stalled or dropped connection (a paused or restarting
+server, a socket timeout) is sent again with backoff for up to `RESEND_WINDOW_S`: `SET` is
+idempotent and the pages are still queued, so a pause longer than the socket timeout loses
+nothing. A pipeline whose commands fail (out of memory under `noeviction`), or one still
+failing after the window, turns writes off for `retry_s` with one warning; reads are the
+reader's business and go on.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ log = logging.getLogger("longctx.kv.redis")
 BATCH_BYTES = 8 << 20  # most bytes per pipeline or MGET
 MAX_REFRESH_S = 60.0  # a used page's TTL is refreshed at most this often (and at most every TTL / 3)
 TRACKED_PAGES = 1 << 18  # pages whose last refresh is remembered, LRU
+RESEND_WINDOW_S = 30.0  # how long a pipeline that failed on its connection is sent again
 
 
 @dataclass(slots=True)
@@ -101,6 +106,7 @@ class RedisWriter:
         self._pending_items = 0
         self._lock = threading.Lock()
         self._down_until = 0.0
+        self._closing = False
         self._refreshed: OrderedDict[bytes, float] = OrderedDict()  # page -> last write or refresh
         # Called on the writer thread with pages found gone on refresh: a copy of those still
         # at hand, (hashes, pages [N, L, 2, P, H, D]), to write again, or None.
@@ -200,6 +206,28 @@ class RedisWriter:
             self.link.observe(num_bytes, time.monotonic() - t0)
         return results
 
+    def _set_resending(self, values: list[tuple[str, bytes]], num_bytes: int) -> list[object]:
+        """SET every (key, value) in one pipeline, sent again with backoff while the connection
+        fails (timeout, reset), for up to RESEND_WINDOW_S; then every command counts as failed.
+        (A pipeline forgets its commands when it runs, so each attempt builds a new one.)"""
+        n = len(values)
+        deadline = time.monotonic() + RESEND_WINDOW_S
+        wait = 0.1
+        while True:
+            pipe = self.client.pipeline(transaction=False)
+            for key, value in values:
+                pipe.set(key, value, ex=self.ttl_s)
+            try:
+                return self._execute(pipe, num_bytes)
+            except (redis.TimeoutError, redis.ConnectionError) as e:
+                if self._closing or time.monotonic() + wait > deadline:
+                    return [e] * n
+                log.info("KV Redis write stalled (%s); sending again in %.1f s", e, wait)
+                time.sleep(wait)
+                wait = min(2 * wait, 1.0)
+            except redis.RedisError as e:
+                return [e] * n
+
     def _write(self, saves: list[_Save]) -> None:
         """SET every page, in pipelines of at most BATCH_BYTES."""
         pending: list[tuple[bytes, bytes]] = []
@@ -210,19 +238,16 @@ class RedisWriter:
             if not self.writable():
                 self.counters.dropped += len(pending) - start
                 return
-            pipe = self.client.pipeline(transaction=False)
+            values: list[tuple[str, bytes]] = []
             num_bytes = 0
             end = start
             while end < len(pending) and (end == start or num_bytes + self.value_bytes <= BATCH_BYTES):
                 h, payload = pending[end]
                 value = self.codec.encode(h, payload)
-                pipe.set(self.key(h), value, ex=self.ttl_s)
+                values.append((self.key(h), value))
                 num_bytes += len(value)
                 end += 1
-            try:
-                results = self._execute(pipe, num_bytes)
-            except redis.RedisError as e:
-                results = [e] * (end - start)
+            results = self._set_resending(values, num_bytes)
             errors = [r for r in results if isinstance(r, Exception)]
             self.counters.written += len(results) - len(errors)
             if errors:  # e.g. OOM under noeviction: writes stop for a while, reads go on
@@ -269,6 +294,7 @@ class RedisWriter:
         return self._idle.wait(timeout_s)
 
     def close(self) -> None:
+        self._closing = True
         self._queue.put(None)
         self._thread.join(timeout=5)
         self.client.close()

@@ -1,9 +1,11 @@
 """Shared by the structured-output tests: the demo model in bfloat16, loaded once per session,
-and engines with the xgrammar hook. bfloat16 because these tests decode thousands of tokens and
-bf16 runs several times faster than float32 on this CPU."""
+engines with the xgrammar hook, and the demo tokenizer with a special-token call marker. bfloat16
+because these tests decode thousands of tokens and bf16 runs several times faster than float32 on
+this CPU."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from pathlib import Path
@@ -46,3 +48,10 @@ def json_prompt(lm: LoadedModel, schema: dict[str, Any]) -> list[int]:
         {"role": "user", "content": f"Give an example JSON value for this JSON schema:\n{json.dumps(schema)}"},
     ]
     return lm.tokenizer.apply_chat_template(messages)
+
+
+def with_special_marker(demo_gguf: Path) -> Tokenizer:
+    """The demo tokenizer with `[TOOL_CALLS]` added as a special token, as in Mistral's own."""
+    hf = copy.deepcopy(compiler(str(demo_gguf)).tokenizer.hf)
+    hf.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    return Tokenizer(hf)

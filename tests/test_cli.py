@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import subprocess
 import sys
@@ -10,9 +12,11 @@ from typing import Any
 
 import pytest
 
+from api.cli_tools import StructuredRun
 from engine.engine import Engine, EngineConfig
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from tests.structured_demo import with_special_marker
 from tests.tiny_models import tiny_moe_with_demo_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,8 +94,6 @@ WEATHER = [
 
 @pytest.mark.slow
 def test_generate_with_tools_and_json_schema(tmp_path: Path, demo_gguf: Path) -> None:
-    import json
-
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(WEATHER))
     out = _longctx("--model", "smollm2-135m-instruct", "--chat", "--prompt", "What's the weather in Paris?",
@@ -128,3 +130,15 @@ def test_kv_tier_flags() -> None:
     assert EngineConfig().kv_redis_max_pending_bytes == 256 << 20 and EngineConfig().kv_lookup_timeout_s == 5.0
     args = p.parse_args(["--kv-redis-max-pending-bytes", "64MiB", "--kv-lookup-timeout", "0.5"])
     assert (args.kv_redis_max_pending_bytes, args.kv_lookup_timeout) == (64 << 20, 0.5)
+
+
+def test_structured_run_keeps_special_tokens_for_a_special_marker(tmp_path: Path, demo_gguf: Path) -> None:
+    """`longctx generate` decodes with skip_special_tokens=False when the call marker is a special token."""
+    tok = with_special_marker(demo_gguf)
+    (tmp_path / "tools.json").write_text(json.dumps(WEATHER))
+    for fmt, skip in [("mistral", False), ("hermes", True)]:
+        args = argparse.Namespace(
+            prompt="hi", json_schema=None, tools=tmp_path / "tools.json", tool_call_format=fmt,
+            tool_choice="auto", no_parallel_tool_calls=False,
+        )  # fmt: skip
+        assert StructuredRun.from_args(args, tok, len(tok.hf)).skip_special_tokens is skip

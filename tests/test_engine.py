@@ -13,8 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine.engine import Engine, EngineConfig
 from engine.request import ContextTooLong, FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
-from tests.tiny_models import build_tiny
+from tests.tiny_models import build_tiny, one_thread, rel_error
 
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 LENGTHS = (5, 17, 33, 9, 48, 21, 2, 40)
 
 
@@ -44,17 +45,27 @@ def _params(i: int, greedy: bool) -> SamplingParams:
     return SamplingParams(max_tokens=32, temperature=1.0, top_p=0.9, seed=100 + i, logprobs=5, ignore_eos=True)
 
 
-def _collect(outs: list[RequestOutput]) -> tuple[list[int], torch.Tensor]:
-    ids = [t for o in outs for t in o.token_ids]
-    lps = [lp for o in outs for lp in (o.logprobs or [])]
-    top = torch.tensor([[v for _, v in lp.top] for lp in lps])  # [n, 5] raw log-softmax values
-    return ids, top
+class LogitsTap:
+    """Records, per request, the full logits [V] float32 each of its tokens was drawn from."""
+
+    def __init__(self, engine: Engine):
+        self.logits: dict[str, list[torch.Tensor]] = {}
+        process = engine.output_processor
+
+        def tapped(reqs: list[Any], logits: torch.Tensor) -> list[RequestOutput]:
+            for r, row in zip(reqs, logits, strict=True):
+                self.logits.setdefault(r.id, []).append(row.clone())
+            return process(reqs, logits)
+
+        engine.output_processor = tapped  # type: ignore[assignment]
 
 
 def _run_all(engine: Engine, prompts: list[list[int]], greedy: bool) -> list[tuple[list[int], torch.Tensor]]:
+    """Each request's token ids and the logits they were drawn from ([n, V])."""
+    tap = LogitsTap(engine)
     handles = [engine.add_request(p, _params(i, greedy)) for i, p in enumerate(prompts)]
     engine.run_until_idle()
-    return [_collect(list(h)) for h in handles]
+    return [(h.result()[0], torch.stack(tap.logits[h.id])) for h in handles]
 
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
@@ -63,9 +74,10 @@ def test_batched_equals_alone_and_preempted(tiny: Any, greedy: bool) -> None:
     alone = []
     for i, p in enumerate(prompts):
         e = _engine(tiny)
+        tap = LogitsTap(e)
         h = e.add_request(p, _params(i, greedy))
         e.run_until_idle()
-        alone.append(_collect(list(h)))
+        alone.append((h.result()[0], torch.stack(tap.logits[h.id])))
 
     batched_engine = _engine(tiny)
     batched = _run_all(batched_engine, prompts, greedy)
@@ -76,11 +88,12 @@ def test_batched_equals_alone_and_preempted(tiny: Any, greedy: bool) -> None:
     preempted = _run_all(small, prompts, greedy)
     assert small.scheduler.num_preemptions > 0
 
-    for (ids_a, lp_a), (ids_b, lp_b), (ids_c, lp_c) in zip(alone, batched, preempted, strict=True):
-        assert len(ids_a) == 32
+    # float32: the full logits of every drawn token agree, not only the top few.
+    for (ids_a, lg_a), (ids_b, lg_b), (ids_c, lg_c) in zip(alone, batched, preempted, strict=True):
+        assert len(ids_a) == 32 and lg_a.shape == (32, tiny.config.vocab_size)
         assert ids_a == ids_b == ids_c
-        assert float((lp_b - lp_a).abs().max() / lp_a.abs().max()) < 1e-5
-        assert float((lp_c - lp_a).abs().max() / lp_a.abs().max()) < 1e-5
+        assert rel_error(lg_b, lg_a) < 1e-5
+        assert rel_error(lg_c, lg_a) < 1e-5
     for e in (batched_engine, small):
         assert e.pool.num_free == e.pool.num_pages
 

@@ -13,10 +13,11 @@ import torch
 from engine.grammar import new_bitmask
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
-from tests.structured_demo import SCHEMAS, compiler, demo_bf16, engine, json_prompt
+from tests.structured_demo import SCHEMAS, compiler, demo_bf16, engine, json_prompt, with_special_marker
+from tools.constraints import parse_output_format
 from tools.formats import HERMES, LLAMA3, MISTRAL, ToolCallFormat
 from tools.grammar import DEAD_END, ENDED, GrammarCompiler, XGrammarHook, XGrammarMatcher, check_dead_ends
-from tools.schema import parse_tools, validate_instance
+from tools.schema import InvalidOutputFormat, InvalidSchema, InvalidToolChoice, parse_tools, validate_instance
 
 TOOLS = parse_tools(
     [
@@ -110,13 +111,99 @@ def test_named_function_forces_its_name(gc: GrammarCompiler, fmt: ToolCallFormat
 
 def test_for_request_picks_the_grammar(gc: GrammarCompiler) -> None:
     rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMAS["enums"], "strict": True}}
-    assert gc.for_request(rf, TOOLS) is gc.json_schema(SCHEMAS["enums"]), "compiled grammars are cached"
+    assert gc.for_request(rf) is gc.json_schema(SCHEMAS["enums"]), "compiled grammars are cached"
+    assert gc.for_request(rf, TOOLS, "none") is gc.json_schema(SCHEMAS["enums"]), "no calls: the format alone"
+    flat = parse_output_format({"type": "json_schema", "name": "t", "schema": SCHEMAS["enums"]}, "text.format")
+    assert gc.for_request(flat) is gc.json_schema(SCHEMAS["enums"])
     assert gc.for_request({"type": "json_object"}) is gc.json_object()
     assert gc.for_request({"type": "text"}) is None and gc.for_request(None, []) is None
+    assert gc.for_request(None, [], "none") is None and gc.for_request(None, None, None) is None
     m = gc.matcher(gc.for_request(None, TOOLS, "required"))  # type: ignore[arg-type]
     assert first_rejected(gc, m, "Hello") == 0
-    with pytest.raises(ValueError, match="response_format: unknown type 'xml'"):
+    with pytest.raises(InvalidOutputFormat, match=r"response_format\.type: unknown type 'xml'"):
         gc.for_request({"type": "xml"})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "param"),
+    [
+        ({"response_format": {"type": "json_schema"}}, InvalidOutputFormat, "response_format.json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, InvalidOutputFormat,
+         "response_format.json_schema.schema"),
+        ({"text_format": {"type": "json_schema", "name": "a"}}, InvalidOutputFormat, "text.format.schema"),
+        ({"text_format": {"type": "json_schema", "schema": {"type": "strin"}}}, InvalidSchema, "text.format.schema"),
+        ({"tool_choice": "required"}, InvalidToolChoice, "tool_choice"),
+        ({"tools": [], "tool_choice": {"type": "function", "name": "add"}}, InvalidToolChoice, "tool_choice.name"),
+        ({"tools": TOOLS, "tool_choice": NAMED_ADD | {"function": {"name": "sub"}}}, InvalidToolChoice,
+         "tool_choice.function.name"),
+        ({"tools": TOOLS, "tool_choice": {"type": "mcp"}}, InvalidToolChoice, "tool_choice.type"),
+    ],
+)  # fmt: skip
+def test_for_request_errors_name_the_field(gc: GrammarCompiler, kwargs: Any, error: type, param: str) -> None:
+    with pytest.raises(error) as e:
+        if "text_format" in kwargs:  # the Responses API's field
+            kwargs = {"response_format": parse_output_format(kwargs["text_format"], "text.format")}
+        gc.for_request(**kwargs)
+    assert e.value.param == param and str(e.value).startswith(param)  # type: ignore[attr-defined]
+
+
+def _accepts(gc: GrammarCompiler, grammar: Any, text: str) -> bool:
+    """The whole of `text`, then the end of the reply."""
+    m = gc.matcher(grammar)
+    return first_rejected(gc, m, text) is None and _allowed(m, gc.stop_token_ids[0])
+
+
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL], ids=lambda f: f.name)
+def test_format_with_tools_is_json_or_calls(gc: GrammarCompiler, fmt: ToolCallFormat) -> None:
+    rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMAS["enums"]}}
+    answer = '{"color": "red", "size": "M"}'
+    call = fmt.render_call("add", ADD)
+    auto = gc.for_request(rf, TOOLS, "auto", fmt=fmt)
+    assert _accepts(gc, auto, answer) and _accepts(gc, auto, call)
+    assert not _accepts(gc, auto, "Sure. " + call) and not _accepts(gc, auto, "Hello")
+    assert not _accepts(gc, auto, answer + call), "either the format or calls, not both"
+    assert not _accepts(gc, auto, '{"color":"red","size":"M"}'), "the same compact JSON as the format alone"
+    assert not _accepts(gc, auto, '{"color": "red", "size": "M", "x": 1}'), "strict: no extra properties"
+    required = gc.for_request(rf, TOOLS, "required", fmt=fmt)
+    assert _accepts(gc, required, call) and not _accepts(gc, required, answer)
+    none = gc.for_request(rf, TOOLS, "none", fmt=fmt)
+    assert _accepts(gc, none, answer) and not _accepts(gc, none, call)
+    obj = gc.for_request({"type": "json_object"}, TOOLS, fmt=fmt)
+    assert _accepts(gc, obj, '{"anything": [1]}') and _accepts(gc, obj, call) and not _accepts(gc, obj, "[1]")
+
+
+def test_format_with_tools_in_a_bare_json_call_format_is_refused(gc: GrammarCompiler) -> None:
+    with pytest.raises(InvalidOutputFormat) as e:
+        gc.for_request(parse_output_format({"type": "json_object"}, "text.format"), TOOLS, fmt=LLAMA3)
+    assert e.value.param == "text.format" and "llama3" in str(e.value)
+    assert gc.for_request({"type": "json_object"}, TOOLS, "required", fmt=LLAMA3) is not None
+
+
+def test_responses_shapes_constrain_like_chat_ones(gc: GrammarCompiler) -> None:
+    flat = parse_tools([{"type": "function", "name": t.name, "parameters": t.parameters, "strict": True}
+                        for t in TOOLS])  # fmt: skip
+    named = gc.for_request(None, flat, {"type": "function", "name": "add"})
+    assert named is gc.for_request(None, TOOLS, NAMED_ADD), "the same grammar, from the cache"
+    assert _accepts(gc, named, HERMES.render_call("add", ADD))
+    assert not _accepts(gc, named, HERMES.render_call("get_weather", WEATHER))
+    allowed = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]}
+    m = gc.for_request(None, flat, allowed)
+    assert _accepts(gc, m, HERMES.render_call("get_weather", WEATHER)) and not _accepts(gc, m, "Hi")
+    assert not _accepts(gc, m, HERMES.render_call("add", ADD))
+
+
+def test_special_token_marker_is_allowed(demo_gguf: Path) -> None:
+    """With `[TOOL_CALLS]` a special token (as in Mistral's tokenizer), the model may write it as that token."""
+    tok = with_special_marker(demo_gguf)
+    marker = tok.hf.convert_tokens_to_ids("[TOOL_CALLS]")
+    wide = GrammarCompiler(tok, vocab_size=len(tok.hf))
+    for choice in ("auto", "required"):
+        m = wide.matcher(wide.tool_calls(MISTRAL, TOOLS, choice))
+        bm = new_bitmask(1, len(tok.hf))
+        m.fill_bitmask(bm, 0)
+        assert (int(bm[0, marker // 32]) >> (marker % 32)) & 1, choice
+        assert m.accept_token(marker) and m.accept_string('[{"name": "add", "arguments": {"a": 1, "b": 2}}]')
+        assert m.accept_token(tok.eos_token_ids[0]) and m.is_terminated()
 
 
 def test_rollback_restores_exact_state(gc: GrammarCompiler) -> None:

@@ -106,8 +106,10 @@ def test_sharded_checkpoint_loads_identically(tmp_path: Path) -> None:
         assert n1 == n2 and torch.equal(p1, p2)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_dtype_conversion(tmp_path: Path, dtype: torch.dtype) -> None:
+# float16 keeps 3 more mantissa bits than bfloat16: its error (~1e-3 here) is ~6x smaller, and so
+# is its bound; one shared bound would let a float16 bug through unseen.
+@pytest.mark.parametrize(("dtype", "threshold"), [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+def test_dtype_conversion(tmp_path: Path, dtype: torch.dtype, threshold: float) -> None:
     from engine.loading.weights import SafetensorsSource, load_model
 
     t = build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path)
@@ -116,4 +118,4 @@ def test_dtype_conversion(tmp_path: Path, dtype: torch.dtype) -> None:
     ids = _prompts(t.config.vocab_size)[1]
     runner = make_runner(t.config, model)
     err = rel_error(run_chunked(runner, BlockPool(runner.kv_cache.num_pages), ids, 8), reference_logits(t.ref, ids))
-    assert err < 3e-2
+    assert err < threshold

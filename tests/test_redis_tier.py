@@ -165,6 +165,26 @@ def test_write_behind_does_not_wait_for_a_paused_redis(tiny: tuple[TinyModel, st
         e.shutdown()
 
 
+def test_write_behind_lands_every_page_after_a_pause_longer_than_its_timeout(tiny: tuple[TinyModel, str]) -> None:
+    prompt = _prompt(tiny, 90, seed=6)
+    with private_redis() as url:
+        admin = redis.Redis.from_url(url)
+        e = _engine(tiny, url, "kv")
+        assert e.store is not None and e.store.redis is not None
+        timeout = float(e.store.redis.writer.client.get_connection_kwargs()["socket_timeout"])
+        pause = timeout + 2  # the writer's pipeline must outlive its socket timeout
+        admin.execute_command("CLIENT", "PAUSE", str(int(pause * 1000)), "WRITE")
+        t0 = time.monotonic()
+        logits, _, _ = first_logits(e, prompt)
+        assert time.monotonic() - t0 < pause  # the step never waited for the paused server
+        assert admin.dbsize() == 0
+        time.sleep(max(0.0, t0 + pause + 0.5 - time.monotonic()))  # the pause ends by itself
+        assert e.store.redis.flush(3 * timeout)
+        assert admin.dbsize() == 5 and e.store.redis.counters.dropped == 0
+        assert _err(logits, _fresh_logits(tiny, prompt)) < 1e-5
+        e.shutdown()
+
+
 def test_unreachable_or_stalled_redis_degrades_to_no_tier(tiny: tuple[TinyModel, str], tmp_path: Path) -> None:
     prompt = _prompt(tiny, 60, seed=4)
     ref = _fresh_logits(tiny, prompt)

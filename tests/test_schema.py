@@ -13,6 +13,7 @@ from tests.structured_demo import compiler
 from tools.grammar import GrammarCompiler
 from tools.schema import (
     ArgumentsInvalid,
+    InvalidRequest,
     InvalidSchema,
     InvalidTool,
     clean_compiler_message,
@@ -45,20 +46,50 @@ def test_parse_tools_accepts_openai_shape() -> None:
     assert bare.parameters == {"type": "object", "properties": {}}
 
 
+def test_parse_tools_accepts_responses_shape() -> None:
+    flat = {"type": "function", "name": "get_weather", "description": "Weather", "parameters": CITY, "strict": True}
+    (spec,) = parse_tools([flat])
+    assert (spec.name, spec.parameters, spec.description, spec.strict) == ("get_weather", CITY, "Weather", True)
+    chat = {"type": "function", "function": {k: v for k, v in flat.items() if k != "type"}}
+    assert parse_tools([chat]) == [spec], "both shapes give the same tool"
+    assert spec.param == "tools[0].parameters"
+    assert spec.responses() == flat
+    assert spec.openai() == {"type": "function", "function": {"name": "get_weather", "parameters": CITY,
+                                                             "description": "Weather"}}  # fmt: skip
+    (bare,) = parse_tools([{"type": "function", "name": "now", "parameters": None, "strict": None}])
+    assert bare.parameters == {"type": "object", "properties": {}}
+    assert bare.responses() == {"type": "function", "name": "now", "description": None,
+                                "parameters": bare.parameters, "strict": None}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("tools", "needle"),
+    "kind",
+    ["web_search", "web_search_preview", "file_search", "mcp", "code_interpreter", "computer_use_preview",
+     "image_generation", "local_shell", "custom"],
+)  # fmt: skip
+def test_hosted_tools_are_unsupported_by_name(kind: str) -> None:
+    with pytest.raises(InvalidTool) as e:
+        parse_tools([_tool("ok"), {"type": kind}])
+    assert e.value.param == "tools[1].type"
+    assert str(e.value) == f"tools[1].type: tool type {kind!r} is not supported; only function tools are"
+
+
+@pytest.mark.parametrize(
+    ("tools", "param", "needle"),
     [
-        ([_tool("bad name!")], "tools[0]: name 'bad name!'"),
-        ([_tool("")], "tools[0]: name ''"),
-        ([_tool("f"), _tool("f")], "tools[1]: duplicate tool name 'f'"),
-        ([{"type": "code_interpreter"}], "tools[0]: only function tools"),
-        ([{"type": "function"}], "tools[0]: missing 'function'"),
+        ([_tool("bad name!")], "tools[0].function.name", "'bad name!' must be 1-64 characters"),
+        ([{"type": "function", "name": ""}], "tools[0].name", "'' must be 1-64 characters"),
+        ([_tool("f"), _tool("f")], "tools[1].function.name", "duplicate tool name 'f'"),
+        ([{"type": "function"}], "tools[0]", "missing the function"),
+        ([{"type": "function", "function": "f"}], "tools[0].function", "expected an object"),
+        (["f"], "tools[0]", "a tool must be an object"),
+        ([{"type": "function", "name": "f", "strict": "yes"}], "tools[0].strict", "expected true, false or null"),
     ],
 )
-def test_malformed_tool_is_rejected(tools: list[dict[str, Any]], needle: str) -> None:
-    with pytest.raises(InvalidTool, match=None) as e:
+def test_malformed_tool_is_rejected(tools: list[Any], param: str, needle: str) -> None:
+    with pytest.raises(InvalidTool) as e:
         parse_tools(tools)
-    assert needle in str(e.value)
+    assert e.value.param == param and str(e.value).startswith(f"{param}: ") and needle in str(e.value)
 
 
 def test_invalid_schema_names_tool_and_path() -> None:
@@ -67,9 +98,11 @@ def test_invalid_schema_names_tool_and_path() -> None:
         parse_tools([_tool("get_weather", bad)])
     assert e.value.where == "tool 'get_weather' parameters"
     assert e.value.path == "$.properties.city.type"
+    assert e.value.param == "tools[0].function.parameters" and isinstance(e.value, InvalidRequest)
     assert "get_weather" in str(e.value) and "$.properties.city.type" in str(e.value)
-    with pytest.raises(InvalidSchema, match="arguments must be an object"):
-        parse_tools([_tool("f", {"type": "array"})])
+    with pytest.raises(InvalidSchema, match="arguments must be an object") as e:
+        parse_tools([_tool("g"), {"type": "function", "name": "f", "parameters": {"type": "array"}}])
+    assert e.value.param == "tools[1].parameters"
 
 
 def test_schema_the_grammar_cannot_express_names_the_tool(gc: GrammarCompiler) -> None:
@@ -78,7 +111,7 @@ def test_schema_the_grammar_cannot_express_names_the_tool(gc: GrammarCompiler) -
     tools = parse_tools([_tool("ok", CITY), _tool("count", huge)])
     with pytest.raises(InvalidSchema) as e:
         gc.check_tools(tools)
-    assert e.value.where == "tool 'count' parameters"
+    assert e.value.where == "tool 'count' parameters" and e.value.param == "tools[1].function.parameters"
     assert "Integer exceeds" in e.value.reason and "/project/" not in e.value.reason
 
 

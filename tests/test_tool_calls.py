@@ -1,5 +1,5 @@
-"""Tool calls: the streaming parser (whatever the chunking), format detection, Hermes rendering
-for templates that ignore tools, and the demo model calling declared tools under a grammar."""
+"""Tool calls: the streaming parser (whatever the chunking), format detection, and the demo model
+calling declared tools under a grammar."""
 
 from __future__ import annotations
 
@@ -12,11 +12,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
-from tests.structured_demo import compiler, demo_bf16, engine
+from tests.structured_demo import compiler, demo_bf16, engine, with_special_marker
 from tools.calls import ArgumentsDelta, CallDone, CallStarted, Event, TextDelta, ToolCallParser
-from tools.formats import FORMATS, HERMES, LLAMA3, MISTRAL, ToolCallFormat, detect_format, render_prompt, resolve_format
+from tools.formats import (
+    FORMATS,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    ToolCallFormat,
+    detect_format,
+    needs_special_tokens,
+    resolve_format,
+)
+from tools.prompt import render_prompt
 from tools.schema import parse_tools
 
 TOOLS = parse_tools(
@@ -99,7 +110,7 @@ def test_several_calls_one_chunk_and_token_by_token(demo_gguf: Path) -> None:
     assert "".join(tokens) == reply and len(tokens) > 20
     text, calls = summary(parse(HERMES, tokens))
     assert (text, calls) == summary(parse(HERMES, [reply]))
-    assert text == "Let me check.\n\n"
+    assert text == "Let me check.", "whitespace next to calls is no text"
     assert [c[:3] for c in calls] == [
         ("call_0", "get_weather", '{"city": "Paris"}'),
         ("call_1", "add", '{"a": 1, "b": "x"}'),
@@ -117,6 +128,72 @@ def test_unfinished_and_malformed_calls() -> None:
     assert (text, calls) == ("a <tool_c", [])
 
 
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_calls_alone_give_no_text_event(fmt: ToolCallFormat) -> None:
+    calls = [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2}')]
+    body = render(fmt, list(calls))
+    for reply in [body, f"\n\n{body}\n", f" \n{body} \n\n"]:
+        for chunks in ([reply], list(reply)):
+            events = parse(fmt, chunks)
+            assert not [e for e in events if isinstance(e, TextDelta)], (reply, events)
+            assert [(name, args) for _, name, args, _ in summary(events)[1]] == calls
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_whitespace_before_text_is_kept(fmt: ToolCallFormat) -> None:
+    reply = "Let me check.\n\n" + fmt.render_call("add", '{"a": 1, "b": 2}') + "\nDone. \n"
+    for chunks in ([reply], list(reply)):
+        text, calls = summary(parse(fmt, chunks))
+        assert len(calls) == 1
+        assert text == "Let me check.\nDone. \n"
+    assert summary(parse(fmt, [" Hi,\n\nthere \n"])) == (" Hi,\n\nthere \n", []), "no call: text unchanged"
+
+
+_lookalike = st.lists(
+    st.sampled_from(
+        [*'ab {}[]",:\n\\', "<tool_call>", "</tool_call>", '{"name": ', "[TOOL_CALLS]", '"name"', '"add"', '"x\ny"']
+    ),
+    max_size=14,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_lookalike, cut=st.integers(0, 200))
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_text_that_only_looks_like_a_call_comes_back_unchanged(fmt: ToolCallFormat, text: str, cut: int) -> None:
+    cut %= len(text) + 1
+    results = [summary(parse(fmt, chunks)) for chunks in ([text], list(text), [text[:cut], text[cut:]])]
+    assert results[1:] == results[:1] * 2
+    if not results[0][1]:
+        assert results[0][0] == text
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text"),
+    [
+        (HERMES, '<tool_call>\n{"city": "Paris"}\n</tool_call>'),  # no name
+        (HERMES, "<tool_call>\n\n[1, 2]"),
+        (HERMES, '<tool_call>\n{"name": 5}'),
+        (LLAMA3, '{"name": }"arguments"'),  # junk before a string value
+        (LLAMA3, '{"name": "a\nb"}'),  # a raw newline is no JSON string
+        (MISTRAL, "[TOOL_CALLS][]"),
+        (MISTRAL, "[TOOL_CALLS] [ x"),
+    ],
+)
+def test_lookalikes_are_text_byte_for_byte(fmt: ToolCallFormat, text: str) -> None:
+    for chunks in ([text], list(text)):
+        assert summary(parse(fmt, chunks)) == (text, [])
+
+
+def test_a_real_call_inside_a_lookalike_is_found() -> None:
+    call = HERMES.render_call("add", '{"a": 1, "b": 2}')
+    text, calls = summary(parse(HERMES, list("<tool_call> oops " + call)))
+    assert text == "<tool_call> oops" and [c[1:3] for c in calls] == [("add", '{"a": 1, "b": 2}')]
+    after = MISTRAL.render_call("add", '{"a": 1, "b": 2}')[:-1] + ", nope]"
+    text, calls = summary(parse(MISTRAL, [after]))
+    assert text == ", nope]" and len(calls) == 1
+
+
 def test_format_detection_and_override(demo_gguf: Path) -> None:
     tok = compiler(str(demo_gguf)).tokenizer
     assert not tok.renders_tools and detect_format(tok) is HERMES  # plain ChatML: we render Hermes
@@ -125,28 +202,20 @@ def test_format_detection_and_override(demo_gguf: Path) -> None:
         resolve_format("xml")
 
 
-def test_hermes_rendering_keeps_the_whole_conversation(demo_gguf: Path) -> None:
-    tok = compiler(str(demo_gguf)).tokenizer
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"},
-        {"role": "assistant", "content": "It is 18C and sunny."},
-        {"role": "user", "content": "Thanks!"},
-    ]  # fmt: skip
-    text = tok.decode(render_prompt(tok, messages, TOOLS), skip_special_tokens=False)
-    for needle in [
-        "<|im_start|>system\nBe brief.\n\n# Tools",
-        json.dumps(TOOLS[1].openai()),
-        'assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
-        "<|im_start|>tool\n<tool_response>\n18C, sunny\n</tool_response><|im_end|>",
-        "It is 18C and sunny.",
-        "<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n",
-    ]:
-        assert needle in text
+def test_special_token_marker_reaches_the_parser(demo_gguf: Path) -> None:
+    tok = with_special_marker(demo_gguf)
+    assert needs_special_tokens(MISTRAL, tok) and not needs_special_tokens(HERMES, tok)
+    assert not needs_special_tokens(MISTRAL, compiler(str(demo_gguf)).tokenizer), "there it is plain text"
+    reply = MISTRAL.render_call("add", '{"a": 1, "b": 2}')
+    ids = tok.hf.encode(reply, add_special_tokens=False)
+    assert ids[0] == tok.hf.convert_tokens_to_ids("[TOOL_CALLS]")
+
+    def parsed(skip_special_tokens: bool) -> tuple[str, list[Any]]:
+        detok = IncrementalDetokenizer(tok, [], skip_special_tokens)
+        return summary(parse(MISTRAL, [detok.add(i) for i in ids] + [detok.flush()]))
+
+    assert parsed(not needs_special_tokens(MISTRAL, tok)) == ("", [("call_0", "add", '{"a": 1, "b": 2}', None)])
+    assert parsed(True)[1] == [], "skipping special tokens loses the marker, and with it the call"
 
 
 def test_demo_model_calls_declared_tools(demo_gguf: Path) -> None:

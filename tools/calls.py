@@ -7,17 +7,26 @@ whether it arrives a character, a token or several calls at a time. Arguments ar
 raw JSON text of the call's arguments value, so the concatenated deltas equal `CallDone.arguments`
 exactly (no re-serialisation). A marker prefix at the end of a chunk is held back until the next
 chunk decides whether it opens a call.
+
+Two rules for the text around calls. Text that only looked like a call (a marker, then something
+no call starts with) comes back as text byte for byte: the attempt's first character is text and
+the rest is read again, so a real call later in it is still found. Whitespace is held until
+non-whitespace text follows; whitespace adjacent to a call (before it, or between it and the next
+call or the end of the reply) is dropped, as is what the reply ends with inside a call's end
+marker, so a reply of calls alone gives no text event at all, while a reply without calls comes
+back unchanged.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, auto
 from typing import NamedTuple
 
+from tools.call_object import CallObject, Scan
 from tools.formats import ToolCallFormat
 from tools.schema import ArgumentsInvalid, ToolSpec, validate_arguments
 
@@ -61,27 +70,12 @@ class _S(Enum):
     AFTER = auto()  # after a call object: the end marker, or "," / "]" in an array
 
 
-class _P(Enum):  # where the object scanner is at depth 1
-    KEY, COLON, VALUE = auto(), auto(), auto()
-
-
 @dataclass(slots=True)
 class _Call:
-    """A call being scanned: a JSON object, tracked by depth and string state."""
+    """A call being read: its id, its object scanner, and whether `CallStarted` went out."""
 
     id: str
-    raw: list[str] = field(default_factory=list)
-    depth: int = 0
-    in_str: bool = False
-    esc: bool = False
-    phase: _P = _P.KEY
-    key: str | None = None
-    mark: int = 0  # raw index where the current key or value began
-    value_started: bool = False
-    name: str | None = None
-    args: list[str] = field(default_factory=list)
-    held_ws: str = ""  # whitespace after the arguments value: kept only if the value goes on
-    pending: list[str] = field(default_factory=list)  # argument text seen before the name
+    obj: CallObject
     started: bool = False
 
 
@@ -101,30 +95,53 @@ class ToolCallParser:
         self.tools = {t.name: t for t in tools} if tools is not None else None
         self._new_id = new_id
         self._state = _S.TEXT
-        self._held = ""  # TEXT: a possible marker prefix; OPEN/AFTER: the marker text so far
+        self._held = ""  # TEXT: a possible marker prefix; OPEN: the text since the marker; AFTER: since the call
+        self._attempt: list[str] = []  # OPEN/OBJECT: everything read since the marker (or an array's ",")
         self._call: _Call | None = None
         self._index = 0
+        self._queue: deque[str] = deque()  # characters to read: the chunk, after any text to read again
         self._out: list[Event] = []
         self._text: list[str] = []
+        self._ws = ""  # whitespace not yet known to be text (see the module docstring)
+        self._after_call = False  # a call has ended and no text has come since
 
     def feed(self, chunk: str) -> list[Event]:
         """Consumes a chunk; returns the events it completes (text deltas merged per chunk)."""
-        for c in chunk:
-            self._char(c)
+        self._queue.extend(chunk)
+        self._run()
         return self._drain()
 
     def finish(self) -> list[Event]:
         """End of the reply: held text is released; a call left open is reported as failed."""
-        call = self._call
-        if call is not None and call.started:
-            self._done(call, "the reply ended inside the call")
-        elif call is not None or self._state is _S.OPEN:
-            self._bail("")
-        self._text.append(self._held)  # a marker prefix (TEXT) or a partial end marker (AFTER)
-        self._held, self._state = "", _S.TEXT
+        while self._state in (_S.OPEN, _S.OBJECT):
+            if self._call is not None and self._call.started:
+                self._done(self._call, "the reply ended inside the call")
+                self._state = _S.TEXT
+            else:
+                self._bail()
+                self._run()
+        if self._state is _S.TEXT:  # a marker prefix is text; after a call, an unfinished end marker is not
+            self._add_text(self._held)
+        self._held = ""
+        if not self._after_call:
+            self._text.append(self._ws)
+        self._ws, self._state = "", _S.TEXT
         return self._drain()
 
     # ---- internals ----
+
+    def _run(self) -> None:
+        while self._queue:
+            self._char(self._queue.popleft())
+
+    def _add_text(self, text: str) -> None:
+        """Text of the reply; its trailing whitespace is held until it is known not to touch a call."""
+        body = text.rstrip()
+        if not body:
+            self._ws += text
+            return
+        self._text.append(self._ws + body)
+        self._ws, self._after_call = text[len(body) :], False
 
     def _flush_text(self) -> None:
         text = "".join(self._text)
@@ -138,6 +155,8 @@ class ToolCallParser:
         return out
 
     def _emit(self, event: Event) -> None:
+        if isinstance(event, CallStarted):
+            self._ws = ""  # whitespace before a call is no text
         self._flush_text()  # keep text and calls in order
         last = self._out[-1] if self._out else None
         if (
@@ -154,141 +173,82 @@ class ToolCallParser:
         if self._state is _S.TEXT:
             self._held += c
             while self._held and not fmt.start.startswith(self._held):
-                self._text.append(self._held[0])
+                self._add_text(self._held[0])
                 self._held = self._held[1:]
             if self._held == fmt.start:
-                self._held, self._state = "", _S.OPEN
+                self._attempt, self._held, self._state = list(fmt.start), "", _S.OPEN
                 if fmt.start_in_body:
-                    self._call = _Call(self._new_id())
-                    self._state = _S.OBJECT
-                    for m in fmt.start:
-                        self._object_char(m)
+                    self._open_call(fmt.start)
         elif self._state is _S.OPEN:
+            self._attempt.append(c)
             self._held += c
             if c.isspace():
                 return
             if fmt.array and c == "[" and "[" not in self._held[:-1]:
                 return
             if c == "{" and (not fmt.array or "[" in self._held):
-                self._call, self._held, self._state = _Call(self._new_id()), "", _S.OBJECT
-                self._object_char(c)
-            elif fmt.array and c == "]" and "[" in self._held:
-                self._held, self._state = "", _S.TEXT
+                self._open_call(c)
             else:
-                self._bail(self._held)
+                self._bail()
         elif self._state is _S.OBJECT:
+            if self._call is not None and not self._call.started:
+                self._attempt.append(c)
             self._object_char(c)
+        elif fmt.array:
+            self._after_array(c)
         else:
-            self._after_char(c)
+            self._after_end(c)
 
-    def _after_char(self, c: str) -> None:
-        fmt = self.fmt
-        if fmt.array:
-            if c.isspace():
-                return
-            if c == ",":
-                self._state = _S.OPEN
-                self._held = "["
-            else:  # "]" closes the list; anything else is text after it
-                self._text.append("" if c == "]" else c)
-                self._state = _S.TEXT
-            return
-        if not self._held and c.isspace():
-            return
+    def _open_call(self, text: str) -> None:
+        self._call, self._held, self._state = _Call(self._new_id(), CallObject(self.fmt.args_key)), "", _S.OBJECT
+        for c in text:
+            self._object_char(c)
+
+    def _after_end(self, c: str) -> None:
+        """After a call: whitespace, then the end marker if the format has one; anything else is read again."""
         self._held += c
-        if self._held == fmt.end:
+        body = self._held.lstrip()
+        if body == self.fmt.end:
             self._held, self._state = "", _S.TEXT
-        elif not fmt.end.startswith(self._held):
-            self._text.append(self._held)
+        elif not self.fmt.end.startswith(body):
+            self._read_again(self._held)
+
+    def _after_array(self, c: str) -> None:
+        """After a call in an array: "," opens the next, "]" ends the list; anything else is read again."""
+        if c == ",":
+            self._attempt, self._held, self._state = [*self._held, c], "[", _S.OPEN
+        elif c == "]":
             self._held, self._state = "", _S.TEXT
+        elif c.isspace():
+            self._held += c
+        else:
+            self._read_again(self._held + c)
+
+    def _read_again(self, text: str) -> None:
+        self._held, self._state = "", _S.TEXT
+        self._queue.extendleft(reversed(text))
 
     def _object_char(self, c: str) -> None:
         call = self._call
         assert call is not None
-        call.raw.append(c)
-        in_args = call.phase is _P.VALUE and call.key == self.fmt.args_key and call.depth >= 1
-        if call.in_str:
-            if call.esc:
-                call.esc = False
-            elif c == "\\":
-                call.esc = True
-            elif c == '"':
-                call.in_str = False
-                if call.depth == 1:
-                    self._string_closed(call)
-            if in_args:
-                self._args(call, c)
-            return
-        if c.isspace():
-            if in_args and call.value_started:
-                if call.depth >= 2:
-                    self._args(call, c)
-                else:
-                    call.held_ws += c
-            return
-        if call.depth == 0:
-            if c != "{":
-                return self._bail(c)
-            call.depth, call.phase = 1, _P.KEY
-        elif call.depth >= 2:
-            call.in_str = c == '"'
-            call.depth += 1 if c in "{[" else -1 if c in "}]" else 0
-            if in_args:
-                self._args(call, c)
-        elif call.phase is _P.KEY:
-            if c == '"':
-                call.in_str, call.mark = True, len(call.raw) - 1
-            elif c == "}":
-                self._close(call)
-            elif c != ",":
-                self._bail(c)
-        elif call.phase is _P.COLON:
-            if c != ":":
-                return self._bail(c)
-            call.phase, call.value_started = _P.VALUE, False
-        elif c in ",}" and call.value_started:
-            call.held_ws = ""
-            call.phase, call.key = _P.KEY, None
-            if c == "}":
-                self._close(call)
-        else:
-            if not call.value_started:
-                call.value_started, call.mark = True, len(call.raw) - 1
-            call.in_str = c == '"'
-            call.depth += 1 if c in "{[" else 0
-            if in_args:
-                self._args(call, call.held_ws + c)
-                call.held_ws = ""
-
-    def _string_closed(self, call: _Call) -> None:
-        text = "".join(call.raw[call.mark :])
-        if call.phase is _P.KEY:
-            call.key, call.phase = json.loads(text), _P.COLON
-        elif call.key == "name" and call.name is None:
-            call.name = str(json.loads(text))
-            self._start(call)
-
-    def _start(self, call: _Call) -> None:
-        assert call.name is not None
-        call.started = True
-        self._emit(CallStarted(self._index, call.id, call.name))
-        if call.pending:
-            self._emit(ArgumentsDelta(self._index, "".join(call.pending)))
-            call.pending.clear()
-
-    def _args(self, call: _Call, text: str) -> None:
-        call.args.append(text)
-        if call.started:
-            self._emit(ArgumentsDelta(self._index, text))
-        else:
-            call.pending.append(text)
+        scan = call.obj.push(c)
+        if not call.started and call.obj.name is not None:
+            call.started = True
+            self._emit(CallStarted(self._index, call.id, call.obj.name))
+        if call.started and (delta := call.obj.take_args()):
+            self._emit(ArgumentsDelta(self._index, delta))
+        if scan is Scan.CLOSED:
+            self._close(call)
+        elif scan is Scan.BAD:
+            self._bail()
 
     def _close(self, call: _Call) -> None:
-        if call.name is None:
-            return self._bail("")
-        if not call.args:
-            self._args(call, "{}")
-        self._done(call, self._check(call.name, "".join(call.args)))
+        if call.obj.name is None:
+            return self._bail()
+        if not call.obj.args:
+            call.obj.args.append("{}")
+            self._emit(ArgumentsDelta(self._index, call.obj.take_args()))
+        self._done(call, self._check(call.obj.name, call.obj.arguments))
         self._state = _S.AFTER if self.fmt.end or self.fmt.array else _S.TEXT
 
     def _check(self, name: str, arguments: str) -> str | None:
@@ -304,17 +264,18 @@ class ToolCallParser:
         return None
 
     def _done(self, call: _Call, error: str | None) -> None:
-        self._emit(CallDone(self._index, call.id, call.name or "", "".join(call.args), error))
+        self._emit(CallDone(self._index, call.id, call.obj.name or "", call.obj.arguments, error))
         self._index += 1
-        self._call = None
+        self._call, self._attempt, self._after_call = None, [], True
 
-    def _bail(self, _c: str) -> None:
-        """Text that opened like a call but is not one: a started call fails; otherwise it is text."""
+    def _bail(self) -> None:
+        """What opened like a call is not one. A started call fails; otherwise the attempt's first
+        character is text and the rest is read again (it may hold text, or a real call)."""
         call = self._call
         if call is not None and call.started:
             self._done(call, "malformed tool call")
-        else:
-            lead = "" if self.fmt.start_in_body and call is not None else self.fmt.start
-            self._text.append(lead + (self._held if call is None else "".join(call.raw)))
-            self._call = None
-        self._held, self._state = "", _S.TEXT
+            self._held, self._state = "", _S.TEXT
+            return
+        attempt, self._attempt, self._call = self._attempt, [], None
+        self._add_text(attempt[0])
+        self._read_again("".join(attempt[1:]))

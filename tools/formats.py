@@ -1,4 +1,4 @@
-"""Tool-call formats: how a model family writes a call, which grammar constrains it, how prompts show tools.
+"""Tool-call formats: how a model family writes a call, and which grammar constrains it.
 
 The format is chosen from the chat template (`detect_format`), or by the operator
 (`--tool-call-format`, through `resolve_format`). Grammars come from xgrammar's built-in structural
@@ -18,6 +18,7 @@ import xgrammar as xgr
 from xgrammar import structural_tag as st
 
 from engine.loading.tokenizer import Tokenizer
+from tools.constraints import parse_tool_choice
 from tools.schema import ToolSpec
 
 
@@ -75,7 +76,7 @@ def resolve_format(name: str) -> ToolCallFormat:
 
 def detect_format(tokenizer: Tokenizer) -> ToolCallFormat:
     """The format the model's chat template teaches; Hermes when the template never renders tools,
-    because then `render_messages` writes the Hermes instructions into the prompt itself."""
+    because then `tools.prompt.render_prompt` writes the Hermes instructions into the prompt itself."""
     template = tokenizer.chat_template
     if "[TOOL_CALLS]" in template:
         return MISTRAL
@@ -84,125 +85,69 @@ def detect_format(tokenizer: Tokenizer) -> ToolCallFormat:
     return HERMES
 
 
-def tool_choice_name(tool_choice: Any) -> str | None:
-    """The forced function's name for `{"type": "function", "function": {"name": ...}}`, else None."""
-    if isinstance(tool_choice, dict):
-        fn = tool_choice.get("function")
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            return fn["name"]
-        raise ValueError(
-            f"tool_choice: expected {{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice}"
-        )
-    if tool_choice not in ("none", "auto", "required"):
-        raise ValueError(f"tool_choice: expected none, auto, required or a named function, got {tool_choice!r}")
-    return None
+def needs_special_tokens(fmt: ToolCallFormat, tokenizer: Tokenizer) -> bool:
+    """Whether a marker of `fmt` holds a special token of `tokenizer` (Mistral's `[TOOL_CALLS]`).
+
+    Decoding with `skip_special_tokens` would strip it before `ToolCallParser` sees the text, so the
+    call would come out as plain JSON text: such a request's detokenizer must keep special tokens
+    (`SamplingParams(skip_special_tokens=False)`).
+    """
+    for marker in (fmt.start, fmt.end):
+        ids = list(tokenizer.hf.encode(marker, add_special_tokens=False)) if marker else []
+        if ids and tokenizer.decode(ids) != tokenizer.decode(ids, skip_special_tokens=False):
+            return True
+    return False
 
 
 def structural_tag(
-    fmt: ToolCallFormat, tools: list[ToolSpec], tool_choice: Any = "auto", parallel_tool_calls: bool = True
+    fmt: ToolCallFormat,
+    tools: list[ToolSpec],
+    tool_choice: Any = "auto",
+    parallel_tool_calls: bool = True,
+    text: st.Format | None = None,
 ) -> st.StructuralTag:
-    """The structural tag constraining a reply under `tool_choice`.
+    """The structural tag constraining a reply under `tool_choice` (either API's shape, or a `ToolChoice`).
 
     none: any text that never contains the call marker. auto: free text until the marker, then a
     declared function's call. required: only calls, at least one. named: exactly one call of that
-    function. `parallel_tool_calls=False`: the reply ends after the first call.
+    function. `parallel_tool_calls=False`: the reply ends after the first call. `text`, when given,
+    is what the reply must be if it calls nothing (a JSON format): under auto the reply is then
+    either that text or calls alone, under none that text.
+
+    Raises:
+        InvalidToolChoice: see `tools.constraints.parse_tool_choice`.
     """
-    forced = tool_choice_name(tool_choice)
-    if forced is not None:
-        if forced not in {t.name for t in tools}:
-            raise ValueError(f"tool_choice: function {forced!r} is not among the declared tools")
-        tools = [t for t in tools if t.name == forced]
-    if tool_choice == "none" or not tools:
-        return st.StructuralTag(format=st.AnyTextFormat(excludes=[fmt.start]))
-    tags = [_call_tag(fmt, t) for t in tools]
-    single = forced is not None or not parallel_tool_calls
+    choice = parse_tool_choice(tool_choice, tools)
+    allowed = choice.allowed(tools)
+    if not allowed:
+        return st.StructuralTag(format=text or st.AnyTextFormat(excludes=[fmt.start]))
+    tags = [_call_tag(fmt, t) for t in allowed]
+    single = choice.single or not parallel_tool_calls
+    calls: st.Format
     if fmt.array:
-        calls = st.TagsWithSeparatorFormat(tags=tags, separator=", ", at_least_one=True, stop_after_first=single)
-        block = st.TagFormat(begin=f"{fmt.start}[", content=calls, end="]")
-        if tool_choice == "auto":
-            trig = st.TriggeredTagsFormat(triggers=[fmt.start], tags=[block], stop_after_first=True)
-            return st.StructuralTag(format=trig)
-        return st.StructuralTag(format=block)
-    if tool_choice == "auto" and fmt.xgr_model is not None:
+        listed = st.TagsWithSeparatorFormat(tags=tags, separator=", ", at_least_one=True, stop_after_first=single)
+        calls = st.TagFormat(begin=f"{fmt.start}[", content=listed, end="]")
+    else:
+        sep = "\n" if fmt.end else ", "
+        calls = st.TagsWithSeparatorFormat(tags=tags, separator=sep, at_least_one=True, stop_after_first=single)
+    if choice.mode == "required":
+        return st.StructuralTag(format=calls)
+    if text is not None:
+        return st.StructuralTag(format=st.OrFormat(elements=[text, calls]))
+    if fmt.array:
+        assert isinstance(calls, st.TagFormat)
+        return st.StructuralTag(
+            format=st.TriggeredTagsFormat(triggers=[fmt.start], tags=[calls], stop_after_first=True)
+        )
+    if fmt.xgr_model is not None:
         return xgr.get_builtin_structural_tag(
-            fmt.xgr_model, tools=[t.openai() for t in tools], tool_choice="auto", reasoning=False,
+            fmt.xgr_model, tools=[t.openai() for t in allowed], tool_choice="auto", reasoning=False,
             parallel_tool_calls=parallel_tool_calls, max_whitespace_cnt=MAX_WHITESPACE,
         )  # fmt: skip
-    if tool_choice == "auto":
-        trig = st.TriggeredTagsFormat(triggers=[fmt.start], tags=tags, stop_after_first=single)
-        return st.StructuralTag(format=trig)
-    sep = "\n" if fmt.end else ", "
-    return st.StructuralTag(
-        format=st.TagsWithSeparatorFormat(tags=tags, separator=sep, at_least_one=True, stop_after_first=single)
-    )
+    return st.StructuralTag(format=st.TriggeredTagsFormat(triggers=[fmt.start], tags=tags, stop_after_first=single))
 
 
 def _call_tag(fmt: ToolCallFormat, tool: ToolSpec) -> st.TagFormat:
     """One call of `tool`: fixed text around arguments constrained by its parameters' schema."""
     args = st.JSONSchemaFormat(json_schema=tool.parameters, max_whitespace_cnt=MAX_WHITESPACE)
     return st.TagFormat(begin=fmt.call_begin(tool.name), content=args, end=fmt.call_end())
-
-
-_HERMES_SYSTEM = """# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{tools}
-</tools>
-
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
-
-
-def _text(content: Any) -> str:
-    """A message's content as text: strings as they are, content parts joined, None as ""."""
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    return str(content)
-
-
-def hermes_messages(messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[dict[str, Any]]:
-    """Rewrites an OpenAI conversation for a template that only renders `role` and `content`.
-
-    Tool signatures join the system message (one is added when there is none), an assistant's
-    `tool_calls` become `<tool_call>` blocks after its text, and tool results stay `tool` turns
-    wrapped in `<tool_response>`. Every message is kept, so nothing of the conversation is dropped.
-    """
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        role, text = m.get("role", "user"), _text(m.get("content"))
-        if role == "assistant" and m.get("tool_calls"):
-            blocks = []
-            for call in m["tool_calls"]:
-                fn = call.get("function", call)
-                args = fn.get("arguments", "{}")
-                args = args if isinstance(args, str) else json.dumps(args)
-                blocks.append(HERMES.render_call(str(fn.get("name", "")), args))
-            text = "\n".join(([text] if text else []) + blocks)
-        elif role == "tool":
-            text = f"<tool_response>\n{text}\n</tool_response>"
-        out.append({"role": role, "content": text})
-    if tools:
-        system = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(t.openai()) for t in tools))
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{system}".lstrip()}
-        else:
-            out.insert(0, {"role": "system", "content": system})
-    return out
-
-
-def render_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[int]:
-    """Prompt token ids for a conversation with tools.
-
-    A template that renders `tools` itself is used as it is; otherwise (the demo model's plain
-    ChatML) the conversation is rewritten Hermes style first; `detect_format` then says Hermes.
-    """
-    if tokenizer.renders_tools:
-        return tokenizer.apply_chat_template(messages, tools=[t.openai() for t in tools] or None)
-    return tokenizer.apply_chat_template(hermes_messages(messages, tools))

@@ -18,11 +18,13 @@ from typing import Any
 
 import torch
 import xgrammar as xgr
+from xgrammar import structural_tag as st
 
 from engine.grammar import GrammarHook, Matcher
 from engine.loading.tokenizer import Tokenizer
+from tools.constraints import OutputFormat, parse_output_format, parse_tool_choice
 from tools.formats import HERMES, ToolCallFormat, structural_tag
-from tools.schema import InvalidSchema, ToolSpec, check_json_schema, clean_compiler_message
+from tools.schema import InvalidOutputFormat, InvalidSchema, ToolSpec, check_json_schema, clean_compiler_message
 
 DEAD_END = "the output grammar allows no next token (dead end)"
 ENDED = "the output grammar has already ended"
@@ -49,7 +51,7 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
-    def _cached(self, key: str, compile_fn: Any, where: str) -> xgr.CompiledGrammar:
+    def _cached(self, key: str, compile_fn: Any, where: str, param: str | None = None) -> xgr.CompiledGrammar:
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -57,22 +59,25 @@ class GrammarCompiler:
         try:
             compiled = compile_fn()
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises RuntimeError from C++
-            raise InvalidSchema(where, "$", clean_compiler_message(str(e))) from None
+            raise InvalidSchema(where, "$", clean_compiler_message(str(e)), param) from None
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
 
-    def json_schema(self, schema: Any, where: str = "response_format") -> xgr.CompiledGrammar:
+    def json_schema(self, schema: Any, where: str = "response_format", param: str | None = None) -> xgr.CompiledGrammar:
         """A strict JSON-schema grammar (no properties beyond the schema's unless it allows them).
+
+        Args:
+            where: what the schema belongs to, for errors; `param`: its path in the request.
 
         Raises:
             InvalidSchema: invalid JSON Schema, or a feature xgrammar cannot express.
         """
-        schema = check_json_schema(schema, where)
+        schema = check_json_schema(schema, where, param)
         text = json.dumps(schema)  # not sorted: property order is the order the grammar generates
-        return self._cached(f"schema:{text}", lambda: self._compile_schema(text, strict=True), where)
+        return self._cached(f"schema:{text}", lambda: self._compile_schema(text, strict=True), where, param)
 
     def _compile_schema(self, text: str, strict: bool) -> xgr.CompiledGrammar:
         # Compact JSON (", " and ": " only): free whitespace lets a small model pad forever.
@@ -83,52 +88,92 @@ class GrammarCompiler:
         schema = json.dumps({"type": "object"})
         return self._cached("object", lambda: self._compile_schema(schema, strict=False), "json_object")
 
+    def output_format(self, reply: OutputFormat) -> xgr.CompiledGrammar | None:
+        """The grammar of a reply in `reply`'s format alone; None for free text."""
+        if reply.kind == "json_schema":
+            return self.json_schema(reply.schema, _where(reply), reply.schema_param)
+        return self.json_object() if reply.kind == "json_object" else None
+
+    def _text_format(self, reply: OutputFormat) -> st.GrammarFormat:
+        """`reply`'s JSON as one part of a structural tag: the same compact grammar as `output_format`'s."""
+        if reply.kind == "json_schema":
+            schema, strict = check_json_schema(reply.schema, _where(reply), reply.schema_param), True
+        else:
+            schema, strict = {"type": "object"}, False
+        try:
+            grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=strict)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise InvalidSchema(_where(reply), "$", clean_compiler_message(str(e)), reply.schema_param) from None
+        return st.GrammarFormat(grammar=str(grammar))
+
     def check_tools(self, tools: list[ToolSpec]) -> None:
         """Compiles each tool's parameters alone, so that a schema the grammar cannot express is
         reported against its tool, not against the whole tool list.
 
         Raises:
-            InvalidSchema: naming the tool and the compiler's reason.
+            InvalidSchema: naming the tool and the compiler's reason (`param`: where it was declared).
         """
         for t in tools:
-            self.json_schema(t.parameters, where=f"tool {t.name!r} parameters")
+            self.json_schema(t.parameters, where=f"tool {t.name!r} parameters", param=t.param or None)
 
     def tool_calls(
-        self, fmt: ToolCallFormat, tools: list[ToolSpec], tool_choice: Any = "auto", parallel_tool_calls: bool = True
+        self,
+        fmt: ToolCallFormat,
+        tools: list[ToolSpec],
+        tool_choice: Any = "auto",
+        parallel_tool_calls: bool = True,
+        reply: OutputFormat | None = None,
     ) -> xgr.CompiledGrammar:
-        """The grammar of a reply that may (or must) call the declared tools, in `fmt`'s syntax."""
+        """The grammar of a reply that may (or must) call the declared tools, in `fmt`'s syntax.
+
+        `reply`: a JSON format for the reply when it calls no tool (see `formats.structural_tag`).
+        """
         self.check_tools(tools)
-        tag = structural_tag(fmt, tools, tool_choice, parallel_tool_calls)
-        text = tag.model_dump_json()
-        return self._cached(f"tag:{text}", lambda: self._xgr.compile_structural_tag(text), "tools")
+        text = self._text_format(reply) if reply is not None and reply.kind != "text" else None
+        tag = structural_tag(fmt, tools, tool_choice, parallel_tool_calls, text)
+        key = tag.model_dump_json()
+        return self._cached(f"tag:{key}", lambda: self._xgr.compile_structural_tag(key), "tools", "tools")
 
     def for_request(
         self,
-        response_format: dict[str, Any] | None = None,
+        response_format: dict[str, Any] | OutputFormat | None = None,
         tools: list[ToolSpec] | None = None,
         tool_choice: Any = "auto",
         parallel_tool_calls: bool = True,
         fmt: ToolCallFormat | None = None,
     ) -> xgr.CompiledGrammar | None:
-        """The grammar an OpenAI chat request asks for, or None when its output is free.
+        """The grammar a Chat Completions or Responses request asks for, or None when its reply is free.
 
-        `response_format` `json_schema` (strict) or `json_object` wins over tools; otherwise declared
-        tools constrain the calls (`fmt` defaults to Hermes).
+        The reply is text in the format, or calls of the declared tools as `tool_choice` allows. A
+        JSON format with tools: under `auto` the reply is either JSON in that format or calls alone,
+        under `required` or a named function calls alone, under `none` the format alone.
+
+        Args:
+            response_format: Chat's `response_format`, or an `OutputFormat` (the Responses API's
+                `text.format` goes through `parse_output_format(format, "text.format")`, so that
+                errors name that field).
+            tools: `parse_tools`' result.
+            tool_choice: either API's shape, or a `ToolChoice`; None means auto.
+            fmt: the call syntax (Hermes when not given).
 
         Raises:
-            InvalidSchema, ValueError: a bad schema or `response_format` / `tool_choice`.
+            InvalidRequest: `InvalidOutputFormat`, `InvalidToolChoice` or `InvalidSchema`, whose
+                `param` names the request field.
         """
-        kind = (response_format or {}).get("type", "text")
-        if kind == "json_schema":
-            spec = response_format["json_schema"] if response_format else {}
-            return self.json_schema(spec.get("schema", {}), where=f"response_format {spec.get('name', '')!r}")
-        if kind == "json_object":
-            return self.json_object()
-        if kind != "text":
-            raise ValueError(f"response_format: unknown type {kind!r}; expected text, json_object or json_schema")
-        if not tools:
-            return None
-        return self.tool_calls(fmt or HERMES, tools, tool_choice, parallel_tool_calls)
+        reply = parse_output_format(response_format)
+        tools, fmt = tools or [], fmt or HERMES
+        choice = parse_tool_choice(tool_choice, tools)
+        if not tools or (choice.mode == "none" and reply.kind != "text"):
+            return self.output_format(reply)
+        if reply.kind == "text" or choice.mode != "auto":
+            return self.tool_calls(fmt, tools, choice, parallel_tool_calls)
+        if fmt.start_in_body:
+            raise InvalidOutputFormat(
+                reply.param,
+                f"a JSON reply format cannot be combined with tools under tool_choice auto in the {fmt.name} "
+                "call format: its calls are bare JSON objects, so a reply could not be told from a call",
+            )
+        return self.tool_calls(fmt, tools, choice, parallel_tool_calls, reply)
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         """A fresh matcher for one request."""
@@ -170,6 +215,11 @@ class XGrammarMatcher(Matcher):
 
     def is_terminated(self) -> bool:
         return bool(self.xgr.is_terminated())
+
+
+def _where(reply: OutputFormat) -> str:
+    where = reply.schema_param or reply.param
+    return f"{where} ({reply.name!r})" if reply.name else where
 
 
 def check_dead_ends(matchers: list[XGrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -5,13 +5,19 @@ the schema must be valid JSON Schema (draft 2020-12, `jsonschema`), and the gram
 able to express it (xgrammar's compiler, called by `tools.grammar`). Both failures raise
 `InvalidSchema`, naming the tool and the offending part. After a call is produced, its arguments
 are validated against the same schema; a failure names the tool and the JSON path.
+
+Tools come in either API's shape: Chat Completions' `{"type": "function", "function": {...}}` or
+the Responses API's flat `{"type": "function", "name", "description", "parameters", "strict"}`.
+Every error about a request is an `InvalidRequest` whose `param` is the offending field's path in
+that request (`tools[2].parameters`, `tool_choice`, `text.format.schema`), so that the HTTP layer
+maps all of them to one 400 with `param`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jsonschema import Draft202012Validator
@@ -23,31 +29,61 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: .*? is false:
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
-class InvalidSchema(ValueError):
+class InvalidRequest(ValueError):
+    """A request field the server cannot accept.
+
+    Attributes:
+        param: the field's path in the request (`tools[2].function.name`, `tool_choice`).
+    """
+
+    def __init__(self, param: str, message: str):
+        self.param = param
+        super().__init__(f"{param}: {message}")
+
+
+class InvalidSchema(InvalidRequest):
     """A schema the server cannot accept: invalid JSON Schema, or beyond what the grammar engine expresses.
 
     Attributes:
-        where: what the schema belongs to (`tool 'get_weather'`, `response_format`).
+        where: what the schema belongs to (`tool 'get_weather' parameters`, `response_format 'answer'`).
         path: JSON path of the offending part inside the schema (`$.properties.city`), or `$`.
         reason: the validator's or the grammar compiler's message.
+        param: the schema's path in the request (`tools[0].parameters`, `text.format.schema`);
+            `where` when the schema did not come from a request (a file given on the command line).
     """
 
-    def __init__(self, where: str, path: str, reason: str):
+    def __init__(self, where: str, path: str, reason: str, param: str | None = None):
         self.where, self.path, self.reason = where, path, reason
-        super().__init__(f"{where}: invalid schema at {path}: {reason}")
+        ValueError.__init__(self, f"{where}: invalid schema at {path}: {reason}")
+        self.param = param or where
 
 
-class InvalidTool(ValueError):
-    """A tool definition that is malformed apart from its schema (missing or bad name, wrong shape)."""
+class InvalidTool(InvalidRequest):
+    """A tool definition that is malformed apart from its schema (unsupported type, bad name, wrong shape)."""
+
+
+class InvalidToolChoice(InvalidRequest):
+    """A `tool_choice` that is malformed, or names or needs tools the request does not declare."""
+
+
+class InvalidOutputFormat(InvalidRequest):
+    """A `response_format` / `text.format` that is malformed or of an unknown type."""
 
 
 @dataclass(frozen=True, slots=True)
 class ToolSpec:
-    """One declared function tool: its name and the JSON Schema of its arguments."""
+    """One declared function tool: its name and the JSON Schema of its arguments.
+
+    Attributes:
+        strict: as the request said (None when it did not); the grammar always holds to the schema.
+        param: where the request declared the parameters (`tools[1].parameters`), for errors.
+    """
 
     name: str
     parameters: dict[str, Any]
     description: str = ""
+    strict: bool | None = None
+    param: str = field(default="", compare=False)
 
     def openai(self) -> dict[str, Any]:
         """The OpenAI chat-completions shape (what xgrammar and chat templates take)."""
@@ -55,6 +91,13 @@ class ToolSpec:
         if self.description:
             fn["description"] = self.description
         return {"type": "function", "function": fn}
+
+    def responses(self) -> dict[str, Any]:
+        """The Responses API's flat shape, every field present (as a response object echoes it)."""
+        return {
+            "type": "function", "name": self.name, "description": self.description or None,
+            "parameters": self.parameters, "strict": self.strict,
+        }  # fmt: skip
 
 
 class ArgumentsInvalid(ValueError):
@@ -71,55 +114,70 @@ def clean_compiler_message(message: str) -> str:
     return " ".join(line for line in lines if line)
 
 
-def check_json_schema(schema: Any, where: str) -> dict[str, Any]:
+def check_json_schema(schema: Any, where: str, param: str | None = None) -> dict[str, Any]:
     """Checks that `schema` is a valid draft 2020-12 JSON Schema object; returns it.
 
     Raises:
-        InvalidSchema: naming `where` and the path of the bad keyword.
+        InvalidSchema: naming `where` and the path of the bad keyword (`param`: the schema's field).
     """
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
-            raise InvalidSchema(where, "$", f"not JSON: {e}") from None
+            raise InvalidSchema(where, "$", f"not JSON: {e}", param) from None
     if not isinstance(schema, dict):
-        raise InvalidSchema(where, "$", f"a schema must be a JSON object, got {type(schema).__name__}")
+        raise InvalidSchema(where, "$", f"a schema must be a JSON object, got {type(schema).__name__}", param)
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as e:
-        raise InvalidSchema(where, e.json_path, e.message) from None
+        raise InvalidSchema(where, e.json_path, e.message, param) from None
     return schema
 
 
 def parse_tools(tools: list[dict[str, Any]] | None) -> list[ToolSpec]:
-    """Validates OpenAI-shape tool definitions (`{"type": "function", "function": {...}}`).
+    """Validates function tool definitions in either API's shape (see the module docstring).
 
     Only the JSON Schema check happens here; whether the grammar engine can express each schema is
     checked when the grammar is compiled (`tools.grammar.GrammarCompiler.check_tools`).
 
     Raises:
-        InvalidTool: a malformed definition or a duplicate name.
+        InvalidTool: a tool type other than function, a malformed definition or a duplicate name.
         InvalidSchema: a tool's `parameters` is not a valid JSON Schema object schema.
     """
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidTool("tools", f"expected a list of tools, got {type(tools).__name__}")
     specs: list[ToolSpec] = []
     seen: set[str] = set()
     for i, tool in enumerate(tools or []):
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise InvalidTool(f"tools[{i}]: only function tools are supported")
-        fn = tool.get("function")
-        if not isinstance(fn, dict):
-            raise InvalidTool(f"tools[{i}]: missing 'function' object")
+        at = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise InvalidTool(at, f"a tool must be an object, got {type(tool).__name__}")
+        kind = tool.get("type", "function")
+        if kind != "function":
+            raise InvalidTool(f"{at}.type", f"tool type {kind!r} is not supported; only function tools are")
+        if "function" in tool:  # Chat Completions
+            fn, at = tool["function"], f"{at}.function"
+            if not isinstance(fn, dict):
+                raise InvalidTool(at, "expected an object with the function's name and parameters")
+        elif "name" in tool:  # Responses
+            fn = tool
+        else:
+            raise InvalidTool(at, "missing the function: 'function' {name, parameters} or a flat 'name'")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise InvalidTool(f"tools[{i}]: name {name!r} must be 1-64 characters of letters, digits, _ . : -")
+            raise InvalidTool(f"{at}.name", f"{name!r} must be 1-64 characters of letters, digits, _ . : -")
         if name in seen:
-            raise InvalidTool(f"tools[{i}]: duplicate tool name {name!r}")
+            raise InvalidTool(f"{at}.name", f"duplicate tool name {name!r}")
         seen.add(name)
-        where = f"tool {name!r} parameters"
-        params = check_json_schema(fn.get("parameters", EMPTY_PARAMETERS), where)
+        strict = fn.get("strict", tool.get("strict"))
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidTool(f"{at}.strict", f"expected true, false or null, got {strict!r}")
+        where, param = f"tool {name!r} parameters", f"{at}.parameters"
+        params = fn.get("parameters")
+        params = check_json_schema(EMPTY_PARAMETERS if params is None else params, where, param)
         if params.get("type", "object") != "object":
-            raise InvalidSchema(where, "$.type", f"arguments must be an object, got type {params.get('type')!r}")
-        specs.append(ToolSpec(name, params, str(fn.get("description", ""))))
+            raise InvalidSchema(where, "$.type", f"arguments must be an object, got type {params.get('type')!r}", param)
+        specs.append(ToolSpec(name, params, str(fn.get("description") or ""), strict, param))
     return specs
 
 
