@@ -17,40 +17,14 @@ miss is logged.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from engine.loading.tokenizer import Tokenizer
 from sessions.items import Compaction, FunctionCall, FunctionCallOutput, Item, Message, Reasoning, text_of
+from tools.prompt import hermes_messages, normalize_messages
 from tools.schema import ToolSpec
-
-try:  # tools/prompt.py normalises messages before any template
-    from tools.prompt import hermes_messages, normalize_messages
-except ImportError:  # an older tools/: the same, inline (until tools/prompt.py is merged)
-    from tools.formats import hermes_messages
-
-    def normalize_messages(messages: list[dict[str, Any]], param: str = "messages") -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for m in messages:
-            m = dict(m, role="system" if m["role"] == "developer" else m["role"])
-            if m.get("tool_calls"):  # arguments as dicts: templates `tojson` them
-                m["tool_calls"] = [_dict_arguments(c) for c in m["tool_calls"]]
-            if out and m["role"] == "system" and all(x["role"] == "system" for x in out):
-                out[0] = dict(out[0], content="\n\n".join(c for c in (out[0]["content"], m["content"]) if c))
-                continue
-            out.append(m)
-        return out
-
-    def _dict_arguments(call: dict[str, Any]) -> dict[str, Any]:
-        fn = dict(call["function"])
-        try:
-            args = json.loads(fn["arguments"])
-        except (TypeError, ValueError):
-            return call
-        return dict(call, function=dict(fn, arguments=args)) if isinstance(args, dict) else call
-
 
 log = logging.getLogger("longctx.sessions")
 

@@ -7,8 +7,8 @@ offending field's path (`tools[1].type`, `text.format.schema`, `input[2].call_id
 one 400 by the HTTP layer.
 
 Tools, `tool_choice` and `text.format` arrive in the Responses API's flat shapes; they are
-checked here and handed to `tools.grammar.GrammarCompiler.for_request` in the Chat shapes it
-also takes (`chat_tools`, `chat_tool_choice`, `response_format`).
+checked here for what a response echoes (`sessions.request_tools`), and by `tools/` for their
+schemas and grammar (`tools.schema.parse_tools`, `GrammarCompiler.for_request`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from sessions.models import (
     Response,
     TextConfig,
     ToolChoice,
-    ToolChoiceFunction,
 )
 from sessions.request_tools import parse_text, parse_tool_choice, parse_tools
 
@@ -98,22 +97,6 @@ class ResponseRequest:
     def thinking(self) -> bool:
         """False when `reasoning.effort` is `none`: the template's thinking switch goes off."""
         return not (self.body.reasoning is not None and self.body.reasoning.effort == "none")
-
-    def chat_tools(self) -> list[dict[str, Any]]:
-        """The tools in Chat Completions' shape (`tools.schema.parse_tools` takes it)."""
-        out = []
-        for t in self.tools:
-            fn: dict[str, Any] = {"name": t.name, "parameters": t.parameters}
-            if t.description:
-                fn["description"] = t.description
-            if t.strict is not None:
-                fn["strict"] = t.strict
-            out.append({"type": "function", "function": fn})
-        return out
-
-    def chat_tool_choice(self) -> Any:
-        c = self.tool_choice
-        return {"type": "function", "function": {"name": c.name}} if isinstance(c, ToolChoiceFunction) else c
 
     def response_format(self) -> dict[str, Any] | None:
         """`text.format` in Chat's `response_format` shape; None for free text."""

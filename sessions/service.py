@@ -38,6 +38,7 @@ from sessions.requests import CreateResponseBody, InvalidParam, ResponseRequest,
 from sessions.store import SessionStore
 from sessions.turn import Turn, TurnPlan
 from tools.calls import ToolCallParser
+from tools.constraints import parse_output_format
 from tools.formats import ToolCallFormat
 from tools.grammar import GrammarCompiler
 from tools.schema import ToolSpec, parse_tools
@@ -181,19 +182,20 @@ class SessionService:
 
     def _tools(self, req: ResponseRequest) -> list[ToolSpec]:
         try:
-            return parse_tools(req.chat_tools())
+            return parse_tools(req.body.tools or [])
         except ValueError as e:
             raise InvalidParam(_param(e, req, "tools"), str(e)) from None
 
     def _grammar(self, req: ResponseRequest, specs: list[ToolSpec]) -> Any:
-        fmt = req.response_format()
         tools = specs if req.tool_choice != "none" else []
-        if fmt is None and not tools:
+        if req.response_format() is None and not tools:
             return None
+        fmt = (req.body.text or {}).get("format")
         try:
             return self.compiler.for_request(
-                fmt, tools, req.chat_tool_choice(), req.body.parallel_tool_calls is not False, self.tool_format
-            )
+                parse_output_format(fmt, "text.format"), tools, req.body.tool_choice,
+                req.body.parallel_tool_calls is not False, self.tool_format,
+            )  # fmt: skip
         except ValueError as e:
             raise InvalidParam(_param(e, req, "text.format" if fmt else "tools"), str(e)) from None
 

@@ -43,14 +43,12 @@ def test_sdk_body_is_accepted_and_echoed() -> None:
     response = req.response("demo", 64)
     assert response.status == "in_progress" and response.instructions == "Be brief." and response.temperature == 0.5
     assert response.tools[0].description == "Weather of a city" and response.max_output_tokens == 64
-    assert req.chat_tools()[0]["function"]["name"] == "get_weather"
 
 
 def test_tool_choice_shapes() -> None:
     choice = {"type": "function", "name": "get_weather"}
     named = decode_request({"input": "x", "tools": [WEATHER], "tool_choice": choice})
     assert named.tool_choice == ToolChoiceFunction(name="get_weather")
-    assert named.chat_tool_choice() == {"type": "function", "function": {"name": "get_weather"}}
     assert decode_request({"input": "x", "tools": [WEATHER], "tool_choice": "required"}).tool_choice == "required"
     off = decode_request({"input": "x", "reasoning": {"effort": "none"}, "conversation": {"id": "conv_1"}})
     assert not off.thinking and off.conversation_id == "conv_1"
