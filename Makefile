@@ -37,8 +37,24 @@ pytest: $(STAMP) pull redis
 
 test: lint typecheck pytest
 
+# `make serve`: the HTTP server on the demo model. Without REDIS_URL it runs its own redis-server
+# (installed here if missing) under $LONGCTX_HOME/redis; `make serve REDIS_URL=redis://host:6379/0`
+# keeps conversations in that Redis instead. More flags: SERVE_ARGS="--dtype float32 ...".
+HOST ?= 127.0.0.1
+PORT ?= 8000
+REDIS_URL ?=
+SERVE_ARGS ?=
 serve: $(STAMP) pull
-	$(VENV)/bin/longctx generate --model $(MODEL) --chat --max-tokens 64 --prompt "Hello! Who are you?"
+ifeq ($(REDIS_URL),)
+	@command -v redis-server >/dev/null || \
+		( (apt-get update -q && apt-get install -y -q redis-server) || \
+		  (sudo apt-get update -q && sudo apt-get install -y -q redis-server) )
+	@echo "longctx: starting the server on $(MODEL): http://$(HOST):$(PORT)/v1 (managed redis-server)"
+	$(VENV)/bin/longctx serve --model $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+else
+	@echo "longctx: starting the server on $(MODEL): http://$(HOST):$(PORT)/v1 (Redis at $(REDIS_URL))"
+	$(VENV)/bin/longctx serve --model $(MODEL) --host $(HOST) --port $(PORT) --redis-url $(REDIS_URL) $(SERVE_ARGS)
+endif
 
 bench: $(STAMP) pull
 	$(PY) bench/engine_throughput.py

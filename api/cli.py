@@ -14,54 +14,30 @@ import time
 import torch
 
 from api import cli_tools
+from api.engine_args import add_engine_args, engine_config, parse_bytes
 
 
-def _parse_bytes(text: str) -> int:
-    units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30}
-    t = text.strip().lower().removesuffix("b")
-    for suffix in sorted(units, key=len, reverse=True):
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * units[suffix])
-    return int(float(t))
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="directory, .gguf file, pulled name or repo id")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--kv-cache-bytes", type=_parse_bytes, default=_parse_bytes("1GiB"), help="e.g. 512MiB, 4GB")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--redis-url", default=None, help="state Redis; default: a managed redis-server")
+    p.add_argument("--redis-prefix", default="lc", help="prefix of every state key")
+    p.add_argument("--state-ttl", type=int, default=30 * 86_400, help="seconds conversations and responses live")
+    p.add_argument("--background-workers", type=int, default=2, help="background-response workers per process")
+    p.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV pages across requests")
     p.add_argument(
-        "--max-prefill-tokens-per-request",
-        type=int,
-        default=None,
-        help="a prompt's share of the step budget while others wait (default: half the budget)",
+        "--kv-redis-max-memory", type=parse_bytes, default=2 << 30, help="maxmemory of the managed KV-cache Redis"
     )
-    p.add_argument("--max-queued", type=int, default=256, help="requests queued before new ones are refused")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_paged", "flashinfer"])
-    p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0 = torch's default, or cores/N)")
-    p.add_argument("--host-cache-bytes", type=_parse_bytes, default=0, help="host KV tier budget (0 = none)")
-    p.add_argument("--kv-redis-url", default=None, help="Redis KV tier, e.g. redis://127.0.0.1:6379/1")
-    p.add_argument("--kv-redis-ttl", type=int, default=86_400, help="seconds a KV page lives in Redis unused")
+    p.add_argument("--max-output-tokens", type=int, default=4096, help="cap on a response's output tokens")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
     p.add_argument(
-        "--kv-redis-max-pending-bytes", type=_parse_bytes, default=_parse_bytes("256MiB"),
-        help="KV pages waiting to be written to Redis; more are dropped, never waited for",
-    )  # fmt: skip
-    p.add_argument(
-        "--kv-lookup-timeout", type=float, default=5.0,
-        help="seconds a request may wait for KV pages from the host/Redis tiers (less when recomputing is faster)",
-    )  # fmt: skip
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"], help="storage dtype of the KV tiers")
-    p.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over (spawned unless torchrun)"
+        "--tool-call-format", default="auto", help="auto (from the chat template), hermes, llama3 or mistral"
     )
-    p.add_argument("--expert-parallel", action="store_true", help="MoE: whole experts per rank, tokens dispatched")
 
 
 def _generate(args: argparse.Namespace) -> int:
     from engine.distributed.parallel import SINGLE
-    from engine.engine import Engine, EngineConfig
+    from engine.engine import Engine
     from engine.loading.loader import load
     from engine.sampling_params import SamplingParams
 
@@ -83,20 +59,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop or ()),
     )
-    config = EngineConfig(
-        kv_cache_bytes=args.kv_cache_bytes,
-        page_size=args.page_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_prefill_tokens_per_request=args.max_prefill_tokens_per_request,
-        max_queued=args.max_queued,
-        attention_backend=args.attention_backend,
-        host_cache_bytes=args.host_cache_bytes,
-        kv_redis_url=args.kv_redis_url,
-        kv_redis_ttl=args.kv_redis_ttl,
-        kv_redis_max_pending_bytes=args.kv_redis_max_pending_bytes,
-        kv_lookup_timeout_s=args.kv_lookup_timeout,
-        kv_dtype=args.kv_dtype,
-    )
+    config = engine_config(args)
     loaded = load(args.model, args.dtype, args.device, parallel=parallel)
     if not parallel.is_driver:  # ranks 1..N-1 replay rank 0's steps until it stops them
         from engine.distributed_runner import serve_worker
@@ -150,6 +113,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from api.serve import run
+
+    return run(args)
+
+
 def _models(args: argparse.Namespace) -> int:
     from engine.loading.model_source import models_dir, pull_demo
 
@@ -169,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="apply the chat template with a generation prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -181,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", nargs="+", default=None, help="stop strings (never printed)")
     cli_tools.add_arguments(gen)
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="the HTTP server (Responses and Conversations APIs)")
+    add_engine_args(serve)
+    _add_serve_args(serve)
+    serve.set_defaults(func=_serve)
 
     models = sub.add_parser("models", help="manage models under $LONGCTX_HOME/models")
     models.add_argument("action", choices=["pull", "list"])

@@ -121,10 +121,10 @@ def test_generate_with_tools_and_json_schema(tmp_path: Path, demo_gguf: Path) ->
 def test_kv_tier_flags() -> None:
     import argparse
 
-    from api.cli import _add_engine_args
+    from api.engine_args import add_engine_args
 
     p = argparse.ArgumentParser()
-    _add_engine_args(p)
+    add_engine_args(p)
     default = p.parse_args([])
     assert (default.kv_redis_max_pending_bytes, default.kv_lookup_timeout) == (256 << 20, 5.0)
     assert EngineConfig().kv_redis_max_pending_bytes == 256 << 20 and EngineConfig().kv_lookup_timeout_s == 5.0

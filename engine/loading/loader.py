@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 from engine.distributed.parallel import SINGLE, ParallelContext
+from engine.loading.gguf_cache import GGUFCache, TeeSource
 from engine.loading.model_source import ModelPath, resolve_model
+from engine.loading.safetensors_file import CheckpointError
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import LoadStats, SafetensorsSource, TensorSource, load_model
 from engine.model.config import ModelConfig
@@ -54,13 +56,71 @@ def resolve_dtype(name: str, config: ModelConfig, source: ModelPath, device: tor
     return native if source.kind != "gguf" else torch.float32
 
 
-def open_source(source: ModelPath) -> tuple[ModelConfig, TensorSource]:
-    if source.kind == "gguf":
-        from engine.loading.gguf_file import GGUFSource
+def open_source(
+    source: ModelPath, cache: GGUFCache | None = None, dtype: torch.dtype | None = None
+) -> tuple[ModelConfig, TensorSource]:
+    """The config and tensors of `source`. A GGUF's come from its conversion cache when `cache`
+    has them (the weights in `dtype` if cached, else in float32); otherwise from the file, its
+    tensors kept (`TeeSource`) so that `load` can cache them."""
+    if source.kind != "gguf":
+        return ModelConfig.from_pretrained_dir(source.path), SafetensorsSource(source.path)
+    config = cache.config() if cache is not None else None
+    if cache is not None and config is not None:
+        want = dtype or torch.float32
+        if want != torch.float32 and cache.has_weights(want) and cache.fingerprint() is not None:
+            typed = _cached_weights(cache, want)
+            if typed is not None:
+                return config, typed
+        if cache.has_weights():
+            found = _cached_weights(cache, torch.float32)
+            if found is not None:  # kept when loaded in another dtype: to cache them in that one
+                return config, found if want == torch.float32 else TeeSource(found)
+    from engine.loading.gguf_file import GGUFSource
 
-        gguf = GGUFSource(source.path)
+    gguf = GGUFSource(source.path)
+    if cache is None:
         return gguf.config, gguf
-    return ModelConfig.from_pretrained_dir(source.path), SafetensorsSource(source.path)
+    if config is None:
+        cache.save_config(gguf.config)
+    return gguf.config, TeeSource(gguf)
+
+
+def _cached_weights(cache: GGUFCache, dtype: torch.dtype) -> SafetensorsSource | None:
+    try:
+        return SafetensorsSource(cache.weights_dir(dtype))
+    except (CheckpointError, OSError) as e:  # unreadable or damaged: read the GGUF again
+        log.warning("ignoring the conversion cache %s: %s", cache.weights_dir(dtype), e)
+        return None
+
+
+def _cache_weights(cache: GGUFCache, tensors: TensorSource, dtype: torch.dtype, stats: LoadStats) -> None:
+    """After a load: record the fingerprint, cache what was converted, or take the recorded
+    fingerprint when the weights came from the cache in `dtype` (their digest is of `dtype`)."""
+    recorded = cache.fingerprint()
+    typed = isinstance(tensors, SafetensorsSource) and tensors.directory == cache.weights_dir(dtype)
+    if typed and dtype != torch.float32:
+        if recorded is not None:
+            stats.fingerprint = recorded
+        return
+    if recorded is None:  # float32 values were hashed: the GGUF's own fingerprint
+        cache.save_fingerprint(stats.fingerprint)
+    if isinstance(tensors, TeeSource) and tensors.complete and tensors.kept:
+        if not isinstance(tensors.source, SafetensorsSource):  # read from the GGUF itself
+            cache.save_weights(tensors.kept)
+        if dtype != torch.float32:
+            cache.save_weights(tensors.kept, dtype)
+
+
+def load_tokenizer(source: ModelPath, eos_token_ids: tuple[int, ...], cache: GGUFCache | None) -> Tokenizer:
+    """The tokenizer; a GGUF's converted one is saved in, and next time read from, its cache."""
+    if cache is not None and cache.has_tokenizer():
+        from transformers import AutoTokenizer
+
+        return Tokenizer(AutoTokenizer.from_pretrained(str(cache.tokenizer_dir)), eos_token_ids)
+    tokenizer = Tokenizer.load(source, eos_token_ids)
+    if cache is not None:
+        cache.save_tokenizer(tokenizer.hf)
+    return tokenizer
 
 
 def load(
@@ -70,17 +130,35 @@ def load(
     *,
     progress: bool | None = None,
     parallel: ParallelContext = SINGLE,
+    cache: bool = True,
 ) -> LoadedModel:
-    """Resolve, read config, load weights and tokenizer. Phases are timed into the stats."""
+    """Resolve, read config, load weights and tokenizer. Phases are timed into the stats.
+
+    Args:
+        cache: a GGUF's conversions (config, tokenizer, dequantized weights) are read from, or
+            written to, a cache beside the file (`engine.loading.gguf_cache`); sharded loads
+            cache only the config and tokenizer.
+    """
     dev = torch.device(device)
     t0 = time.perf_counter()
     source = resolve_model(spec)
-    config, tensors = open_source(source)
+    gguf_cache = GGUFCache(source.path) if cache and source.kind == "gguf" else None
+    weights_cache = gguf_cache if not parallel.sharded else None
+    config = gguf_cache.config() if gguf_cache is not None else None
+    # The dtype decides which cached weights to read; it needs the config (cached or not).
+    torch_dtype = resolve_dtype(dtype, config, source, dev) if config is not None else None
+    config, tensors = open_source(source, weights_cache, torch_dtype)
+    if gguf_cache is not None and parallel.sharded and gguf_cache.config() is None:
+        gguf_cache.save_config(config)
     torch_dtype = resolve_dtype(dtype, config, source, dev)
     t_config = time.perf_counter() - t0
     model, stats = load_model(config, tensors, torch_dtype, dev, progress=progress, parallel=parallel)
     t1 = time.perf_counter()
-    tokenizer = Tokenizer.load(source, config.eos_token_ids)
+    if weights_cache is not None:
+        _cache_weights(weights_cache, tensors, torch_dtype, stats)
+        stats.phases["cache weights"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+    tokenizer = load_tokenizer(source, config.eos_token_ids, gguf_cache)
     stats.phases = {"resolve+config": t_config, **stats.phases, "tokenizer": time.perf_counter() - t1}
     log.info(
         "model %s (%s, %s) ready: %s",

@@ -1,0 +1,121 @@
+"""The Litestar app: health and readiness, the error mapper, and the lifespan owning resources.
+
+`create_app(state, routes, start)` builds the app around a `ServerState`. The lifespan
+starts `start(state)` (the startup phases) as a task without waiting for it, so the port
+is bound and `/health` answers while the model loads; `/ready` turns 200 once the phases
+are done. On shutdown it marks the state draining, runs the routes' `on_shutdown` hooks,
+stops the engine (on a thread: it joins the engine loop) and closes the Redis client.
+
+Route modules add handlers through `routes` and guard them with `ready_guard`, which
+answers 503 while starting or stopping. Request bodies are msgspec Structs: unknown fields
+are ignored (clients send new ones), decoding errors become 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any
+
+from litestar import Litestar, Request, Response, get
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+from litestar.openapi import OpenAPIConfig
+from litestar.types import ControllerRouterHandler
+
+from api.errors import error_body, handle_exception
+from api.state import ServerState
+
+log = logging.getLogger("longctx.serve")
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def server_state(request: Request[Any, Any, Any]) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
+
+
+def ready_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """A Litestar guard: 503 `not_ready` until the server is ready, and again while it stops."""
+    connection.app.state.server.require_ready()
+
+
+@get("/health", sync_to_thread=False)
+def health() -> dict[str, str]:
+    """Liveness: the process answers (from the moment the port is bound)."""
+    return {"status": "ok"}
+
+
+@get("/ready", sync_to_thread=False)
+def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+    """Readiness: 200 once the model is loaded and warmed up; 503 with the phase before and while stopping."""
+    state = server_state(request)
+    if state.ready and not state.draining:
+        return Response({"status": "ready", "phase": state.phase, "phase_seconds": state.phase_seconds})
+    body: dict[str, Any] = {"phase": state.phase}
+    if state.error:
+        body |= error_body(state.error, "server_error", None, "startup_failed")
+    return Response(body, status_code=503)
+
+
+async def shutdown(state: ServerState) -> None:
+    """Release what the startup phases built, in reverse order; each step runs even if one fails."""
+    for hook in reversed(state.on_shutdown):
+        try:
+            await hook(state)
+        except Exception:
+            log.exception("shutdown hook %s failed", getattr(hook, "__qualname__", hook))
+    with state.lock:
+        engine, state.engine = state.engine, None
+    if engine is not None:
+        await asyncio.to_thread(engine.shutdown)
+        log.info("engine stopped")
+    if state.redis is not None:
+        with contextlib.suppress(Exception):
+            await state.redis.aclose()
+        state.redis = None
+
+
+def create_app(
+    state: ServerState,
+    routes: Sequence[ControllerRouterHandler] = (),
+    start: Callable[[ServerState], Coroutine[Any, Any, None]] | None = None,
+    debug: bool = False,
+) -> Litestar:
+    """The app serving `state`.
+
+    Args:
+        state: the server's state (options, phase, resources).
+        routes: route handlers, routers or controllers of the API.
+        start: the startup phases, run as a task once the lifespan begins (None: nothing to start).
+        debug: Litestar's debug mode (tracebacks in logs).
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        task = asyncio.create_task(start(state), name="longctx-startup") if start is not None else None
+        try:
+            yield
+        finally:
+            state.draining, state.ready = True, False
+            state.phase = "stopping"
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await shutdown(state)
+
+    app = Litestar(
+        route_handlers=[health, ready, *routes],
+        exception_handlers={Exception: handle_exception},
+        lifespan=[lifespan],
+        request_max_body_size=MAX_BODY_BYTES,
+        debug=debug,
+        openapi_config=OpenAPIConfig(title="longctx", version="0.1.0"),
+        logging_config=None,  # the CLI configures logging; Litestar would replace it
+    )
+    app.state.server = state
+    return app

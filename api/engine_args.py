@@ -1,0 +1,77 @@
+"""The engine's command-line flags, shared by `longctx generate`, `serve` and `doctor`, and the
+`EngineConfig` they make."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from engine.engine import EngineConfig
+
+
+def parse_bytes(text: str) -> int:
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+    t = text.strip().lower().removesuffix("b")
+    for suffix in sorted(units, key=len, reverse=True):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * units[suffix])
+    return int(float(t))
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="directory, .gguf file, pulled name or repo id")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=parse_bytes("1GiB"), help="e.g. 512MiB, 4GB")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    p.add_argument(
+        "--max-prefill-tokens-per-request",
+        type=int,
+        default=None,
+        help="a prompt's share of the step budget while others wait (default: half the budget)",
+    )
+    p.add_argument("--max-queued", type=int, default=256, help="requests queued before new ones are refused")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_paged", "flashinfer"])
+    p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0 = torch's default, or cores/N)")
+    p.add_argument("--host-cache-bytes", type=parse_bytes, default=0, help="host KV tier budget (0 = none)")
+    p.add_argument(
+        "--kv-redis-url", default=None, help="Redis KV tier, e.g. redis://127.0.0.1:6379/1 (serve: `none` = off)"
+    )
+    p.add_argument("--kv-redis-ttl", type=int, default=86_400, help="seconds a KV page lives in Redis unused")
+    p.add_argument(
+        "--kv-redis-max-pending-bytes", type=parse_bytes, default=parse_bytes("256MiB"),
+        help="KV pages waiting to be written to Redis; more are dropped, never waited for",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-lookup-timeout", type=float, default=5.0,
+        help="seconds a request may wait for KV pages from the host/Redis tiers (less when recomputing is faster)",
+    )  # fmt: skip
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"], help="storage dtype of the KV tiers")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over (spawned unless torchrun)"
+    )
+    p.add_argument("--expert-parallel", action="store_true", help="MoE: whole experts per rank, tokens dispatched")
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The `EngineConfig` the engine flags ask for; `overrides` replace fields (e.g. a managed
+    KV Redis URL, a key prefix)."""
+    fields: dict[str, Any] = dict(
+        kv_cache_bytes=args.kv_cache_bytes,
+        page_size=args.page_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_tokens_per_request=args.max_prefill_tokens_per_request,
+        max_queued=args.max_queued,
+        attention_backend=args.attention_backend,
+        threads=args.threads,
+        host_cache_bytes=args.host_cache_bytes,
+        kv_redis_url=args.kv_redis_url,
+        kv_redis_ttl=args.kv_redis_ttl,
+        kv_redis_max_pending_bytes=args.kv_redis_max_pending_bytes,
+        kv_lookup_timeout_s=args.kv_lookup_timeout,
+        kv_dtype=args.kv_dtype,
+    )
+    return EngineConfig(**(fields | overrides))

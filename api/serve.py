@@ -1,0 +1,279 @@
+"""`longctx serve`: the HTTP server process, from flags to a ready engine and back to exit 0.
+
+Order of events:
+1. Checks that need no work (a `redis-server` to manage, the model resolves): exit 2 if not.
+2. The port is bound (uvicorn), so `/health` answers at once and `/ready` says the phase.
+3. Startup phases, each timed and logged, blocking ones on a loader thread:
+   redis (start or reuse the managed instances, or ping `--redis-url`), model (load),
+   engine (KV pool, grammar compiler, the engine thread), warm-up (a short generation and
+   a schema compile), routes (the async Redis client and the route modules' startup hooks).
+4. SIGTERM/SIGINT: no new work admitted, uvicorn closes connections, the lifespan stops the
+   engine and the hooks' resources, the managed Redis instances are released (the last user
+   stops them), exit 0. A failed startup exits 1 after logging why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import uvicorn
+
+from api.app import create_app
+from api.managed_redis import INSTALL_HINT, ManagedRedis, cache_args, state_args
+from api.state import ServeOptions, ServerState
+
+log = logging.getLogger("longctx.serve")
+
+T = TypeVar("T")
+WARMUP_PROMPT = "Hello"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, minus re-raising the signal after a graceful shutdown (we exit 0 instead)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.state.draining:
+            log.info("signal %d: no new work admitted; shutting down", sig)
+        self.state.draining = True
+        self.state.ready = False
+        if self.should_exit:
+            self.force_exit = True  # a second signal: stop waiting for connections
+        self.should_exit = True
+
+
+async def _in_thread(fn: Callable[[], T]) -> T:
+    """Run `fn` on a daemon thread (a shutdown during loading must not wait for it)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # the awaiting coroutine was cancelled
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def target() -> None:
+        try:
+            result = fn()
+        except BaseException as e:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, None, e)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=target, name="longctx-loader", daemon=True).start()
+    return await future
+
+
+class Startup:
+    """The startup phases for one `longctx serve` process; `managed` lists the Redis instances to release."""
+
+    def __init__(self, args: argparse.Namespace, server: _Server):
+        self.args = args
+        self.server = server
+        self.managed: list[ManagedRedis] = []
+        self.kv_redis_url: str | None = None
+        self.exit_code = 0
+
+    def _redis(self, state: ServerState) -> None:
+        args = self.args
+        kv_flag = args.kv_redis_url
+        if args.redis_url is None:
+            from engine.loading.model_source import longctx_home
+
+            root = longctx_home() / "redis"
+            instance = ManagedRedis(root, "state", state_args(root / "state"))
+            instance.acquire()
+            self.managed.append(instance)
+            if kv_flag is None:
+                kv = ManagedRedis(root, "kv", cache_args(root / "kv", args.kv_redis_max_memory))
+                kv.acquire()
+                self.managed.append(kv)
+                kv_flag = kv.url
+        elif kv_flag is None:
+            kv_flag = args.redis_url
+            log.info(
+                "KV pages go to the state Redis under a %d s TTL; a separate cache instance "
+                "(--kv-redis-url, maxmemory with allkeys-lru) keeps them from crowding out state",
+                args.kv_redis_ttl,
+            )
+        self.kv_redis_url = None if kv_flag == "none" else kv_flag
+        import redis
+
+        client = redis.Redis.from_url(state.options.redis_url, socket_connect_timeout=5, socket_timeout=5)
+        try:
+            client.ping()
+        except redis.RedisError as e:
+            raise RuntimeError(f"state Redis at {state.options.redis_url} does not answer: {e}") from e
+        finally:
+            client.close()
+        log.info("state Redis %s; KV tier %s", state.options.redis_url, self.kv_redis_url or "off")
+
+    def _model(self) -> Any:
+        from engine.loading.loader import load
+
+        if self.args.threads:  # loading (dequantizing, packing) runs on torch's threads too
+            import torch
+
+            torch.set_num_threads(self.args.threads)
+        return load(self.args.model, self.args.dtype, self.args.device, progress=False)
+
+    def _engine(self, loaded: Any) -> tuple[Any, Any]:
+        from api.engine_args import engine_config
+        from engine.engine import Engine
+        from tools.grammar import GrammarCompiler, XGrammarHook
+
+        args = self.args
+        config = engine_config(
+            args,
+            enable_prefix_caching=not args.no_prefix_cache,
+            kv_redis_url=self.kv_redis_url,
+            kv_redis_prefix=f"{args.redis_prefix}:kv",
+        )
+        engine = Engine(
+            loaded.model, loaded.tokenizer, config, grammar_hook=XGrammarHook(), fingerprint=loaded.stats.fingerprint
+        )
+        grammar = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size)
+        return engine.start(), grammar
+
+    @staticmethod
+    def _warm_up(engine: Any, grammar: Any) -> None:
+        from engine.sampling_params import SamplingParams
+
+        handle = engine.add_request(engine.tokenizer.encode(WARMUP_PROMPT), SamplingParams(max_tokens=2))
+        for out in handle:
+            if out.error:
+                raise RuntimeError(f"warm-up generation failed: {out.error}")
+        grammar.json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}}}, where="warm-up")
+
+    async def _routes(self, state: ServerState) -> None:
+        from redis.asyncio import Redis
+
+        state.redis = Redis.from_url(state.options.redis_url)
+        await state.redis.ping()
+        for hook in state.on_startup:
+            await hook(state)
+
+    async def _phase(self, state: ServerState, name: str, fn: Callable[[], Any]) -> Any:
+        state.phase = name
+        t0 = time.perf_counter()
+        result = fn()
+        if asyncio.iscoroutine(result):
+            result = await result
+        state.phase_seconds[name] = round(time.perf_counter() - t0, 3)
+        log.info("phase %s: %.2fs", name, state.phase_seconds[name])
+        return result
+
+    async def run(self, state: ServerState) -> None:
+        """The phases, once the port is bound; on failure the server exits with code 1."""
+        while not self.server.started:  # bind first: /health answers during the phases
+            if self.server.should_exit:
+                return
+            await asyncio.sleep(0.01)
+        try:
+            await self._phase(state, "redis", lambda: _in_thread(lambda: self._redis(state)))
+            loaded = await self._phase(state, "model", lambda: _in_thread(self._model))
+            state.loaded = loaded
+            if not state.options.served_model_name:
+                state.options = replace(state.options, served_model_name=loaded.source.name)
+            engine, grammar = await self._phase(state, "engine", lambda: _in_thread(lambda: self._engine(loaded)))
+            with state.lock:
+                state.engine, state.grammar = engine, grammar
+            await self._phase(state, "warm-up", lambda: _in_thread(lambda: self._warm_up(engine, grammar)))
+            await self._phase(state, "routes", lambda: self._routes(state))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("startup failed in phase %s", state.phase)
+            state.error = f"startup failed in phase {state.phase}: {e}"
+            state.phase = "failed"
+            self.exit_code = 1
+            self.server.should_exit = True
+            return
+        if state.draining:
+            return
+        state.phase, state.ready = "ready", True
+        total = time.perf_counter() - state.started_at
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in state.phase_seconds.items())
+        url = f"http://{self.args.host}:{self.args.port}/v1"
+        log.info("ready in %.2fs (%s): serving %s at %s", total, phases, state.options.served_model_name, url)
+
+    def release(self) -> None:
+        for instance in reversed(self.managed):
+            try:
+                instance.release()
+            except Exception:
+                log.exception("could not release managed redis-server (%s)", instance.name)
+
+
+def run(
+    args: argparse.Namespace,
+    routes: list[Any] | None = None,
+    setup: Callable[[ServerState], None] | None = None,
+) -> int:
+    """`longctx serve`. Returns the exit code (2: bad flags or no redis-server; 1: startup failed).
+
+    Args:
+        routes: the API's route handlers (routers, controllers).
+        setup: called with the fresh state before the server starts; route modules append
+            their resources' `on_startup` hooks (run in the `routes` phase, once the engine is
+            warm) and `on_shutdown` hooks there.
+    """
+    from engine.loading.model_source import resolve_model
+
+    if args.tensor_parallel_size > 1 or args.expert_parallel:
+        raise ValueError("serve does not support --tensor-parallel-size/--expert-parallel yet")
+    if args.redis_url is None and shutil.which("redis-server") is None:
+        print(f"longctx: error: {INSTALL_HINT}", flush=True, file=sys.stderr)
+        return 2
+    resolve_model(args.model)  # a missing model stops here, before the port is bound
+    if args.redis_url is None:
+        from engine.loading.model_source import longctx_home
+
+        redis_url = f"unix://{longctx_home() / 'redis' / 'state.sock'}"
+    else:
+        redis_url = args.redis_url
+    options = ServeOptions(
+        redis_url=redis_url,
+        redis_prefix=args.redis_prefix,
+        state_ttl_s=args.state_ttl,
+        background_workers=args.background_workers,
+        max_output_tokens=args.max_output_tokens,
+        served_model_name=args.served_model_name or "",
+        tool_call_format=args.tool_call_format,
+    )
+    state = ServerState(options)
+    if setup is not None:
+        setup(state)
+    holder: list[Startup] = []
+    app = create_app(state, routes or [], start=lambda s: holder[0].run(s), debug=args.verbose)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_config=None, access_log=args.verbose, timeout_graceful_shutdown=10
+    )
+    server = _Server(config, state)
+    startup = Startup(args, server)
+    holder.append(startup)
+    log.info("serving on http://%s:%d (/health at once, /ready once the model is warm)", args.host, args.port)
+    try:
+        server.run()
+    except SystemExit as e:  # uvicorn could not bind the port
+        return int(e.code) if isinstance(e.code, int) else 1
+    finally:
+        startup.release()
+    if not server.started and startup.exit_code == 0:
+        return 1  # the port could not be bound
+    return startup.exit_code

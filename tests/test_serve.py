@@ -1,0 +1,171 @@
+"""`longctx serve` as a process: readiness, the error object, managed Redis, shutdown.
+
+A tiny random Llama saved with the demo tokenizer stands in for a real model: these tests
+are about the process, not the text. Managed-mode tests run in a temporary `LONGCTX_HOME`
+(short, so its unix socket paths fit) and check that no `redis-server` is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from api.managed_redis import INSTALL_HINT, ManagedRedis, state_args
+from tests.redis_server import shared_redis
+from tests.server import ROOT, Server, free_port, http_get, running_server, serve_command, start_server
+
+pytestmark = pytest.mark.slow
+TINY_ARGS = ("--dtype", "float32", "--kv-cache-bytes", "4MiB", "--threads", "1")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the demo tokenizer (its vocabulary and chat template)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.loading.gguf_cache import GGUFCache
+    from engine.loading.loader import load_tokenizer
+    from engine.loading.model_source import resolve_model
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=49152, max_position_embeddings=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    load_tokenizer(resolve_model(str(demo_gguf)), (), GGUFCache(demo_gguf)).hf.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with (
+        shared_redis() as (url, _),
+        running_server(tiny_model, *TINY_ARGS, log=tmp_path_factory.mktemp("logs") / "serve.log", redis_url=url) as s,
+    ):
+        yield s
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    """A temporary LONGCTX_HOME; fails the test if a managed redis-server outlives it."""
+    with tempfile.TemporaryDirectory(prefix="lc-", dir="/tmp") as tmp:
+        yield Path(tmp)
+        leftover = [p for p in Path(tmp, "redis").glob("*.pid") if _pid_alive(int(p.read_text()))]
+        for p in leftover:
+            os.kill(int(p.read_text()), signal.SIGKILL)
+        assert not leftover, f"managed redis-server left running: {leftover}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().rpartition(")")[2].split()[0] != "Z"
+
+
+def _request(method: str, url: str, body: bytes | None = None) -> tuple[int, dict[str, object]]:
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_health_answers_before_ready(server: Server) -> None:
+    assert server.health_before_ready, f"/ready said {server.ready_phases} but /health never answered before"
+    assert server.ready_phases, "/ready was never 503 during startup"
+    assert set(server.ready_phases) <= {"starting", "redis", "model", "engine", "warm-up", "routes"}
+    status, body = http_get(server.url + "/ready")
+    assert status == 200 and body["status"] == "ready"
+    assert set(body["phase_seconds"]) == {"redis", "model", "engine", "warm-up", "routes"}  # type: ignore[arg-type]
+
+
+def test_unknown_route_is_an_openai_error(server: Server) -> None:
+    status, body = _request("GET", server.url + "/v1/no-such-route")
+    assert status == 404
+    assert body == {
+        "error": {
+            "message": "no route for GET /v1/no-such-route",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "not_found",
+        }
+    }
+    status, body = _request("POST", server.url + "/health", b"{not json")
+    assert status == 405 and set(body["error"]) == {"message", "type", "param", "code"}  # type: ignore[arg-type]
+
+
+def test_without_redis_server_exits_2(tiny_model: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": str(tmp_path), "LONGCTX_HOME": str(tmp_path / "home")}
+    cmd = serve_command(tiny_model, 1, "lc")
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert INSTALL_HINT in result.stderr
+    assert "apt-get install redis-server" in result.stderr
+
+
+def _answers(instance: ManagedRedis) -> bool:
+    return instance.pid() is not None and instance.answers()
+
+
+def test_managed_redis_shared_restarted_and_stopped_by_the_last(tiny_model: Path, home: Path, tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (make test installs it)")
+    env = {"LONGCTX_HOME": str(home)}
+    state = ManagedRedis(home / "redis", "state", state_args(home / "redis" / "state"))
+    kv = ManagedRedis(home / "redis", "kv", [])
+    a = start_server(tiny_model, *TINY_ARGS, log=tmp_path / "a.log", env=env)
+    try:
+        first_pid = state.pid()
+        assert first_pid is not None and _answers(state) and _answers(kv)
+        b = start_server(tiny_model, *TINY_ARGS, log=tmp_path / "b.log", env=env)
+        try:
+            assert state.pid() == first_pid, "the second server started its own redis-server"
+            assert "shared with 1 other server" in b.log_tail(200)
+            users = sorted(int(p) for p in state.users.read_text().split())
+            assert users == sorted([a.proc.pid, b.proc.pid])
+
+            os.kill(first_pid, signal.SIGKILL)  # one of the two servers must restart it
+            deadline = time.monotonic() + 30
+            while not (state.pid() not in (None, first_pid) and state.answers()):
+                assert time.monotonic() < deadline, f"not restarted:\n{a.log_tail()}\n{b.log_tail()}"
+                time.sleep(0.1)
+            restarted = [s for s in (a, b) if "is gone: restarting it" in s.log_tail(400)]
+            assert len(restarted) == 1, "exactly one server restarts the shared redis-server"
+            for s in (a, b):
+                assert http_get(s.url + "/ready")[0] == 200
+            second_pid = state.pid()
+            assert a.stop() == 0, a.log_tail()
+            assert state.pid() == second_pid and state.answers(), "stopped while a server still uses it"
+            assert "left running for 1 other server" in a.log_tail(50)
+        finally:
+            assert b.stop() == 0, b.log_tail()
+        assert state.pid() is None and kv.pid() is None, "the last server did not stop the managed redis-servers"
+        assert second_pid is not None and not _pid_alive(second_pid)
+        assert not state.socket.exists()
+    finally:
+        a.stop()
+
+
+def test_startup_failure_exits_1_naming_the_phase(tiny_model: Path, tmp_path: Path) -> None:
+    cmd = serve_command(tiny_model, free_port(), "lc", *TINY_ARGS, "--redis-url", "redis://127.0.0.1:1/0")
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "startup failed in phase redis" in result.stderr
