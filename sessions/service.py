@@ -39,7 +39,7 @@ from sessions.store import SessionStore
 from sessions.turn import Turn, TurnPlan
 from tools.calls import ToolCallParser
 from tools.constraints import parse_output_format
-from tools.formats import ToolCallFormat
+from tools.formats import ToolCallFormat, needs_special_tokens
 from tools.grammar import GrammarCompiler
 from tools.schema import ToolSpec, parse_tools
 
@@ -66,6 +66,8 @@ class SessionService:
         self.tool_format = tool_format
         self.config = config or ServiceConfig()
         self.reasoning = uses_reasoning(tokenizer.chat_template)
+        # a call marker that is a special token (Mistral's) must reach the call parser
+        self.keep_special = needs_special_tokens(tool_format, tokenizer)
         self.running: dict[str, Turn] = {}
         self.conversations = ConversationAPI(store)
 
@@ -217,6 +219,7 @@ class SessionService:
         b = req.body
         return SamplingParams(
             priority=priority,  # background: 1
+            skip_special_tokens=not (self.keep_special and bool(req.tools)),
             max_tokens=max_tokens,
             temperature=1.0 if b.temperature is None else b.temperature,
             top_p=1.0 if b.top_p is None else b.top_p,
