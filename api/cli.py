@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -133,6 +134,29 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from api.doctor import DoctorOptions, run_doctor
+    from api.doctor.report import print_summary
+
+    options = DoctorOptions(
+        stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()) if args.stages else DoctorOptions.stages,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        max_length=args.max_length,
+        reference=args.reference,
+        baseline=args.baseline,
+        save_baseline=args.save_baseline,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel,
+    )
+    report = run_doctor(args.model, options)
+    print_summary(report)
+    if args.report is not None:
+        report.write_json(args.report)
+    return 1 if report.failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longctx", description="longctx: a server for long-running agent sessions")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -156,6 +180,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     _add_serve_args(serve)
     serve.set_defaults(func=_serve)
+
+    doc = sub.add_parser("doctor", help="check that a checkpoint runs correctly here (a Day-0 report)")
+    doc.add_argument("--model", default="smollm2-135m-instruct", help="directory, .gguf file, pulled name or repo id")
+    doc.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    doc.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    doc.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
+    doc.add_argument("--max-length", type=int, default=None, help="longest prompt of the length stage")
+    doc.add_argument("--stages", default=None, help="comma-separated subset, e.g. config,weights,reference")
+    doc.add_argument("--reference", default="transformers", choices=["transformers", "none"])
+    doc.add_argument("--baseline", type=Path, default=None, help="compare layer by layer with this baseline")
+    doc.add_argument("--save-baseline", type=Path, default=None, help="write this run's baseline here")
+    doc.add_argument("--report", type=Path, default=None, help="write the JSON report here")
+    doc.add_argument("--tensor-parallel-size", type=int, default=1, help="parallel stage: ranks to shard over")
+    doc.add_argument("--expert-parallel", action="store_true", help="parallel stage: whole experts per rank")
+    doc.set_defaults(func=_doctor)
 
     models = sub.add_parser("models", help="manage models under $LONGCTX_HOME/models")
     models.add_argument("action", choices=["pull", "list"])

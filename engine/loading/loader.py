@@ -14,7 +14,7 @@ from engine.loading.gguf_cache import GGUFCache, TeeSource
 from engine.loading.model_source import ModelPath, resolve_model
 from engine.loading.safetensors_file import CheckpointError
 from engine.loading.tokenizer import Tokenizer
-from engine.loading.weights import LoadStats, SafetensorsSource, TensorSource, load_model
+from engine.loading.weights import LoadStats, SafetensorsSource, TensorCallback, TensorSource, load_model
 from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
 
@@ -131,6 +131,7 @@ def load(
     progress: bool | None = None,
     parallel: ParallelContext = SINGLE,
     cache: bool = True,
+    on_tensor: TensorCallback | None = None,
 ) -> LoadedModel:
     """Resolve, read config, load weights and tokenizer. Phases are timed into the stats.
 
@@ -138,6 +139,7 @@ def load(
         cache: a GGUF's conversions (config, tokenizer, dequantized weights) are read from, or
             written to, a cache beside the file (`engine.loading.gguf_cache`); sharded loads
             cache only the config and tokenizer.
+        on_tensor: called with each tensor as it is read (see `load_weights`).
     """
     dev = torch.device(device)
     t0 = time.perf_counter()
@@ -152,7 +154,9 @@ def load(
         gguf_cache.save_config(config)
     torch_dtype = resolve_dtype(dtype, config, source, dev)
     t_config = time.perf_counter() - t0
-    model, stats = load_model(config, tensors, torch_dtype, dev, progress=progress, parallel=parallel)
+    model, stats = load_model(
+        config, tensors, torch_dtype, dev, progress=progress, parallel=parallel, on_tensor=on_tensor
+    )
     t1 = time.perf_counter()
     if weights_cache is not None:
         _cache_weights(weights_cache, tensors, torch_dtype, stats)

@@ -38,6 +38,10 @@ from engine.model.tp import SourceSlice
 
 log = logging.getLogger("longctx.weights")
 
+# Called with each checkpoint tensor and the value read for it (this rank's part, in the
+# source's dtype, before the cast to the model's dtype): the doctor's statistics hook.
+TensorCallback = Callable[["SourceTensor", torch.Tensor], None]
+
 # Tensors some checkpoints carry that no model here needs.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -110,12 +114,18 @@ def build_empty(
 
 
 def load_weights(
-    model: CausalLM, source: TensorSource, *, progress: bool | None = None, stats: LoadStats | None = None
+    model: CausalLM,
+    source: TensorSource,
+    *,
+    progress: bool | None = None,
+    stats: LoadStats | None = None,
+    on_tensor: TensorCallback | None = None,
 ) -> LoadStats:
     """Fill `model`'s parameters from `source`. Raises CheckpointError on any mismatch.
 
     A sharded model reads only its slice of each split tensor and skips tensors of other ranks;
-    `stats.bytes_read` counts the bytes actually read."""
+    `stats.bytes_read` counts the bytes actually read. `on_tensor` sees every tensor loaded, as
+    read, so that statistics need no second pass over the files."""
     stats = stats or LoadStats()
     t0 = time.perf_counter()
     params = dict(model.named_parameters())
@@ -176,6 +186,8 @@ def load_weights(
             value, nbytes = part.take(t.read()), t.nbytes
         read_s += time.perf_counter() - r0
         digests.append(_digest(t.name, value))
+        if on_tensor is not None:
+            on_tensor(t, value)
         dest.copy_(value.to(dest.dtype))
         loaded[pname].add(shard)
         stats.bytes_read += nbytes
@@ -224,6 +236,7 @@ def load_model(
     *,
     progress: bool | None = None,
     parallel: ParallelContext = SINGLE,
+    on_tensor: TensorCallback | None = None,
 ) -> tuple[CausalLM, LoadStats]:
     """Build the model (this rank's shard) and load its weights. Returns (model in eval mode, statistics)."""
     stats = LoadStats()
@@ -231,7 +244,7 @@ def load_model(
     model = build_empty(config, dtype, device, parallel)
     stats.phases["build"] = time.perf_counter() - t0
     stats.seconds = stats.phases["build"]
-    load_weights(model, source, progress=progress, stats=stats)
+    load_weights(model, source, progress=progress, stats=stats, on_tensor=on_tensor)
     t1 = time.perf_counter()
     if pack_linears(model):
         stats.phases["pack"] = time.perf_counter() - t1
