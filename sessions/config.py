@@ -1,4 +1,4 @@
-"""Settings of the session store (`sessions.store`)."""
+"""Settings of the session store (`sessions.store`) and of the session service (`sessions.service`)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,23 @@ class StoreConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.retry_budget_s < 0:
             raise ValueError(f"retry_budget_s must be >= 0, got {self.retry_budget_s}")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Args:
+    model: the model name responses report.
+    max_output_tokens: the cap of a response's output (`--max-output-tokens`); the default
+        is min(context left, KV capacity left, this cap); an explicit value above it is a 400.
+    lease_renew_s: how often a running turn renews its conversation's lease.
+    """
+
+    model: str = "longctx"
+    max_output_tokens: int = 4096
+    lease_renew_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_output_tokens < 1:
+            raise ValueError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
+        if self.lease_renew_s <= 0:
+            raise ValueError(f"lease_renew_s must be > 0, got {self.lease_renew_s}")

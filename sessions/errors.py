@@ -1,4 +1,4 @@
-"""Typed errors of the session store; the HTTP layer maps each to one status, in one place.
+"""Typed errors of the session store and service; the HTTP layer maps each to one status, in one place.
 
     NotFound          404  no such object for this tenant (another tenant's id included)
     ConversationBusy  409  another response holds the conversation's lease
@@ -6,6 +6,9 @@
     Conflict          409  the write contradicts stored state (a duplicate item id, a final
                            response overwritten, an event out of sequence): nothing was written
     ChainTooLong      400  a previous_response_id chain deeper than the store walks
+    RequestInProgress 409  an Idempotency-Key repeat while the first request runs
+    InvalidParam      400  a request field the server cannot accept (`param` = its path)
+    ContextLengthExceeded 400  (an InvalidParam, code context_length_exceeded) the context is too long
     StoreUnavailable  503  Redis did not answer within the retry budget
     UnsuitableServer  —    refused at start: the server would lose conversations
 
@@ -82,3 +85,26 @@ def from_script_error(e: redis.ResponseError, subject: str) -> StoreError | None
     if code == "LC_CHAIN":
         return ChainTooLong(subject, int(detail))
     return None
+
+
+class RequestInProgress(Conflict):
+    """409: an Idempotency-Key repeat while the first request with that key is still running."""
+
+    def __init__(self, response_id: str):
+        super().__init__(f"a request with this Idempotency-Key is still running (response {response_id!r})")
+        self.response_id = response_id
+
+
+class InvalidParam(ValueError):
+    """A request field the server cannot accept; `param` is its path in the request body."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_request_error"):
+        super().__init__(f"{param}: {message}")
+        self.param, self.message, self.code = param, message, code
+
+
+class ContextLengthExceeded(InvalidParam):
+    """400 `context_length_exceeded`: the prompt and the output asked for do not fit."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(param, message, code="context_length_exceeded")
