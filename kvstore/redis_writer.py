@@ -10,8 +10,8 @@ at most once per `refresh_s`, so a conversation in use never expires. An `EXPIRE
 no key (expired, evicted, lost in an outage) asks `rewrite` for a copy of the page (the store
 still holds it in device memory) and writes it again at once.
 
-A pipeline that fails whole on a stalled or dropped connection (a paused or restarting
-server, a socket timeout) is sent again with backoff for up to `RESEND_WINDOW_S`: `SET` is
+A pipeline that fails whole on a stalled server (paused or busy past the socket timeout)
+is sent again with backoff for up to `RESEND_WINDOW_S`: `SET` is
 idempotent and the pages are still queued, so a pause longer than the socket timeout loses
 nothing. A pipeline whose commands fail (out of memory under `noeviction`), or one still
 failing after the window, turns writes off for `retry_s` with one warning; reads are the
@@ -41,7 +41,7 @@ log = logging.getLogger("longctx.kv.redis")
 BATCH_BYTES = 8 << 20  # most bytes per pipeline or MGET
 MAX_REFRESH_S = 60.0  # a used page's TTL is refreshed at most this often (and at most every TTL / 3)
 TRACKED_PAGES = 1 << 18  # pages whose last refresh is remembered, LRU
-RESEND_WINDOW_S = 30.0  # how long a pipeline that failed on its connection is sent again
+RESEND_WINDOW_S = 30.0  # how long a pipeline that timed out on a stalled server is sent again
 
 
 @dataclass(slots=True)
@@ -207,8 +207,8 @@ class RedisWriter:
         return results
 
     def _set_resending(self, values: list[tuple[str, bytes]], num_bytes: int) -> list[object]:
-        """SET every (key, value) in one pipeline, sent again with backoff while the connection
-        fails (timeout, reset), for up to RESEND_WINDOW_S; then every command counts as failed.
+        """SET every (key, value) in one pipeline, sent again with backoff while the server stalls
+        (socket timeout), for up to RESEND_WINDOW_S; then every command counts as failed.
         (A pipeline forgets its commands when it runs, so each attempt builds a new one.)"""
         n = len(values)
         deadline = time.monotonic() + RESEND_WINDOW_S
@@ -219,7 +219,7 @@ class RedisWriter:
                 pipe.set(key, value, ex=self.ttl_s)
             try:
                 return self._execute(pipe, num_bytes)
-            except (redis.TimeoutError, redis.ConnectionError) as e:
+            except redis.TimeoutError as e:  # stalled (paused, busy); refused or reset: down
                 if self._closing or time.monotonic() + wait > deadline:
                     return [e] * n
                 log.info("KV Redis write stalled (%s); sending again in %.1f s", e, wait)
