@@ -28,6 +28,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="directory, .gguf file, pulled name or repo id")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8", "int4"],
+        help="weight-only quantization of every linear (CPU): int8 per channel, int4 per group",
+    )
+    p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128], help="int4 group size")
     p.add_argument("--kv-cache-bytes", type=_parse_bytes, default=_parse_bytes("1GiB"), help="e.g. 512MiB, 4GB")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
@@ -77,7 +84,14 @@ def _generate(args: argparse.Namespace) -> int:
         kv_redis_ttl=args.kv_redis_ttl,
         kv_dtype=args.kv_dtype,
     )
-    loaded = load(args.model, args.dtype, args.device, parallel=parallel)
+    loaded = load(
+        args.model,
+        args.dtype,
+        args.device,
+        parallel=parallel,
+        quantization=args.quantization,
+        group_size=args.group_size,
+    )
     if not parallel.is_driver:  # ranks 1..N-1 replay rank 0's steps until it stops them
         from engine.distributed_runner import serve_worker
 

@@ -15,6 +15,7 @@ from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import LoadStats, SafetensorsSource, TensorSource, load_model
 from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
+from engine.model.quant import QuantConfig
 
 log = logging.getLogger("longctx.loader")
 
@@ -70,23 +71,33 @@ def load(
     *,
     progress: bool | None = None,
     parallel: ParallelContext = SINGLE,
+    quantization: str = "none",
+    group_size: int = 32,
 ) -> LoadedModel:
-    """Resolve, read config, load weights and tokenizer. Phases are timed into the stats."""
+    """Resolve, read config, load weights and tokenizer. Phases are timed into the stats.
+
+    quantization: none, int8 or int4 (weight-only, every linear; `engine/model/quant.py`),
+    applied while the weights stream in; GGUF blocks are dequantized first, then requantized.
+    group_size: int4's group (32, 64 or 128)."""
+    quant = QuantConfig(quantization, group_size)
     dev = torch.device(device)
     t0 = time.perf_counter()
     source = resolve_model(spec)
     config, tensors = open_source(source)
     torch_dtype = resolve_dtype(dtype, config, source, dev)
     t_config = time.perf_counter() - t0
-    model, stats = load_model(config, tensors, torch_dtype, dev, progress=progress, parallel=parallel)
+    model, stats = load_model(
+        config, tensors, torch_dtype, dev, progress=progress, parallel=parallel, quantization=quant
+    )
     t1 = time.perf_counter()
     tokenizer = Tokenizer.load(source, config.eos_token_ids)
     stats.phases = {"resolve+config": t_config, **stats.phases, "tokenizer": time.perf_counter() - t1}
     log.info(
-        "model %s (%s, %s) ready: %s",
+        "model %s (%s, %s%s) ready: %s",
         source.name,
         config.architecture,
         str(torch_dtype).replace("torch.", ""),
+        f", {quant.tag}" if quant.enabled else "",
         stats.summary(),
     )
     return LoadedModel(source, config, model, tokenizer, torch_dtype, stats)
