@@ -34,6 +34,9 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
 PREFILL_LENGTHS = (512, 2048)
 STREAMS = (1, 4, 16, 32)
+# Threads per system (`--threads`; 2 = the targets' setting). On a machine shared with other
+# work, 2 spinning OpenMP threads can run a step 10-20x slower than 1: use 1 there.
+THREADS = int(os.environ.get("LONGCTX_BENCH_THREADS", "2"))
 
 
 def copy_bandwidth_gbs() -> float:
@@ -76,7 +79,7 @@ def run_ours(dtype: str, quick: bool, profile: bool = False) -> dict[str, Any]:
     from engine.loading.loader import load
     from engine.sampling_params import SamplingParams
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     quant = QUANTIZED.get(dtype, "none")
     loaded = load(
         "smollm2-135m-instruct", dtype="bfloat16" if quant != "none" else dtype, progress=False, quantization=quant
@@ -231,7 +234,7 @@ def run_transformers(dtype: str, quick: bool) -> dict[str, Any]:
 
     from engine.loading.model_source import pull_demo
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     path = pull_demo()
     torch_dtype = getattr(torch, dtype)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -271,7 +274,7 @@ def run_llama_cpp(dtype: str, quick: bool) -> dict[str, Any]:
 
     from engine.loading.model_source import pull_demo
 
-    llm = Llama(model_path=str(pull_demo()), n_ctx=4096, n_threads=2, n_batch=512, verbose=False)
+    llm = Llama(model_path=str(pull_demo()), n_ctx=4096, n_threads=THREADS, n_batch=512, verbose=False)
     out: dict[str, Any] = {}
     for n in PREFILL_LENGTHS:
         ids = llm.tokenize(" ".join(f"Item {i}: the quick brown fox." for i in range(n)).encode())[:n]
@@ -315,14 +318,17 @@ def main() -> None:
     ap.add_argument("--systems", default="ours,transformers,llama.cpp")
     ap.add_argument("--dtypes", default="float32,bfloat16,int8,int4", help="int8/int4: ours only")
     ap.add_argument("--profile", action="store_true", help="split one decode step of ours by time")
+    ap.add_argument("--threads", type=int, default=None, help="threads per system (targets: 2)")
     ap.add_argument("--worker", nargs=2, metavar=("SYSTEM", "DTYPE"))
     args = ap.parse_args()
+    global THREADS
+    THREADS = args.threads or THREADS
     if args.worker:
         worker(args.worker[0], args.worker[1], args.quick, args.profile)
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth_gbs()
-    results: dict[str, Any] = {"bandwidth_gbs": bandwidth, "threads": 2, "runs": {}}
+    results: dict[str, Any] = {"bandwidth_gbs": bandwidth, "threads": THREADS, "runs": {}}
     for system in args.systems.split(","):
         dtypes = ["q4_1"] if system == "llama.cpp" else args.dtypes.split(",")
         if system == "transformers":
@@ -330,7 +336,7 @@ def main() -> None:
         for dtype in dtypes:
             cmd = [sys.executable, __file__, "--worker", system, dtype] + (["--quick"] if args.quick else [])
             cmd += ["--profile"] if args.profile and system == "ours" else []
-            env = os.environ | {"OMP_NUM_THREADS": "2"}
+            env = os.environ | {"OMP_NUM_THREADS": str(THREADS), "LONGCTX_BENCH_THREADS": str(THREADS)}
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             key = f"{system}/{dtype}"
             if proc.returncode != 0:
@@ -347,7 +353,7 @@ def print_table(results: dict[str, Any]) -> None:
     runs = results["runs"]
     cols = ["prefill_512", "prefill_2048", "decode_1", "decode_1_2k", "decode_4", "decode_16", "decode_32"]
     cols += ["step_ms_1", "floor_ms", "peak_rss_mb"]
-    print(f"copy bandwidth {bw:.1f} GB/s, 2 threads; tokens/s unless noted")
+    print(f"copy bandwidth {bw:.1f} GB/s, {results['threads']} threads; tokens/s unless noted")
     print(f"{'system':24}" + "".join(f"{c:>13}" for c in cols) + f"{'step/floor':>11}{'ceiling%':>12}")
     for key, r in runs.items():
         if "error" in r:

@@ -162,7 +162,7 @@ def load_weights(
             continue
         pname, shard = target
         if pname not in params:  # its module was converted: every part of it was loaded already
-            raise CheckpointError(f"{t.file}: tensor {t.name!r} appears twice in the checkpoint")
+            raise CheckpointError(f"{t.file}: tensor {t.name!r} overlaps tensors already loaded whole into {pname}")
         param = params[pname]
         specs = shard_specs.get(pname)
         if shard is not None and (specs is None or shard not in specs):
@@ -276,8 +276,7 @@ class _Converter:
         ):
             self.deferred.append(owner)  # needs the whole rows' maxima: collectives, in one order on all ranks
             return False
-        convert_module(self.model, owner, self.quant)
-        return True
+        return convert_module(self.model, owner, self.quant)
 
     def finish(self) -> None:
         """Row-parallel int8 linears (every rank, sorted), then the tied head."""
