@@ -61,7 +61,10 @@ def _generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop or ()),
     )
     config = engine_config(args)
-    loaded = load(args.model, args.dtype, args.device, parallel=parallel)
+    loaded = load(
+        args.model, args.dtype, args.device, parallel=parallel, quantization=args.quantization,
+        group_size=args.group_size,
+    )  # fmt: skip
     if not parallel.is_driver:  # ranks 1..N-1 replay rank 0's steps until it stops them
         from engine.distributed_runner import serve_worker
 

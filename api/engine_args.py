@@ -24,6 +24,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="directory, .gguf file, pulled name or repo id")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8", "int4"],
+        help="weight-only quantization of every linear (CPU): int8 per channel, int4 per group",
+    )
+    p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128], help="int4 group size")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=parse_bytes("1GiB"), help="e.g. 512MiB, 4GB")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")

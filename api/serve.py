@@ -130,7 +130,8 @@ class Startup:
             import torch
 
             torch.set_num_threads(self.args.threads)
-        return load(self.args.model, self.args.dtype, self.args.device, progress=False)
+        a = self.args
+        return load(a.model, a.dtype, a.device, progress=False, quantization=a.quantization, group_size=a.group_size)
 
     def _engine(self, loaded: Any) -> tuple[Any, Any]:
         from api.engine_args import engine_config

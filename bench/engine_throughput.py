@@ -1,17 +1,25 @@
 """Engine throughput on the demo model, side by side with transformers and llama.cpp.
 
 Each (system, dtype) runs in its own subprocess so its peak RSS is its own. Measures:
-single-stream decode tokens/s, prefill tokens/s at 512 and 2048 prompt tokens, aggregate
-decode tokens/s at 1/4/16/32 concurrent streams, peak RSS; plus the machine's copy
-bandwidth and each decode figure as a share of its ceiling (bytes of weights and KV read per
-step over that bandwidth). Prints a table and writes JSON to bench/results/.
+single-stream decode tokens/s after a short prompt and after a 2k-token prompt, prefill
+tokens/s at 512 and 2048 prompt tokens, aggregate decode tokens/s at 1/4/16/32 concurrent
+streams, peak RSS; plus the machine's copy bandwidth and each decode figure as a share of its
+ceiling (bytes of weights and KV read per step over that bandwidth). For ours (bf16, int8,
+int4 = bf16 activations with weight-only int8/int4 linears) also the matmul-only floor: the
+step's linears called back to back on one token, and step time / floor; `--profile` splits one
+single-stream decode step into matmuls, attention, other ops and Python. llama.cpp runs through
+its own generation loop (`create_completion(stream=True)`, EOS suppressed by `logit_bias`),
+and is skipped with a note when llama-cpp-python is not installed (`make bench-peers`).
+Prints a table and ratios, and writes JSON to bench/results/.
 
     python bench/engine_throughput.py [--quick] [--systems ours,transformers,llama.cpp]
+        [--dtypes float32,bfloat16,int8,int4] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -26,6 +34,9 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
 PREFILL_LENGTHS = (512, 2048)
 STREAMS = (1, 4, 16, 32)
+# Threads per system (`--threads`; 2 = the targets' setting). On a machine shared with other
+# work, 2 spinning OpenMP threads can run a step 10-20x slower than 1: use 1 there.
+THREADS = int(os.environ.get("LONGCTX_BENCH_THREADS", "2"))
 
 
 def copy_bandwidth_gbs() -> float:
@@ -58,15 +69,21 @@ def _rss_mb() -> float:
 # ---------------------------------------------------------------- ours
 
 
-def run_ours(dtype: str, quick: bool) -> dict[str, Any]:
+QUANTIZED = {"int8": "int8", "int4": "int4"}  # dtype column value -> --quantization (bf16 activations)
+
+
+def run_ours(dtype: str, quick: bool, profile: bool = False) -> dict[str, Any]:
     import torch
 
     from engine.engine import Engine, EngineConfig
     from engine.loading.loader import load
     from engine.sampling_params import SamplingParams
 
-    torch.set_num_threads(2)
-    loaded = load("smollm2-135m-instruct", dtype=dtype, progress=False)
+    torch.set_num_threads(THREADS)
+    quant = QUANTIZED.get(dtype, "none")
+    loaded = load(
+        "smollm2-135m-instruct", dtype="bfloat16" if quant != "none" else dtype, progress=False, quantization=quant
+    )
     tok = loaded.tokenizer
     engine = Engine(loaded.model, tok, EngineConfig(kv_cache_bytes=512 << 20, max_num_batched_tokens=512))
     out: dict[str, Any] = {"load_s": loaded.stats.seconds}
@@ -93,21 +110,118 @@ def run_ours(dtype: str, quick: bool) -> dict[str, Any]:
             list(h)
         out[f"decode_{streams}"] = (engine.stats.generated_tokens - gen0) / dt
         out[f"step_ms_{streams}"] = 1000 * dt / max(1, engine.stats.steps - steps0)
+    # Single-stream decode after a 2k-token prompt (the prompt's prefill is not timed).
+    params = SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True)
+    h = engine.add_request(_prompt(tok, 2048), params)
+    while any(r.num_computed < len(r.prompt_ids) + 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    gen0, t0 = engine.stats.generated_tokens, time.perf_counter()
+    engine.run_until_idle()
+    out["decode_1_2k"] = (engine.stats.generated_tokens - gen0) / (time.perf_counter() - t0)
+    list(h)
+    out["floor_ms"] = _matmul_floor_ms(loaded.model)
     out["weight_bytes"] = _weight_bytes_per_step(loaded.model)
     out["kv_bytes_per_token"] = engine.kv_spec.bytes_per_token
+    if profile:
+        out["profile"] = _profile_step(engine, tok)
     out["peak_rss_mb"] = _rss_mb()
     return out
 
 
+def _step_linears(model: Any) -> list[Any]:
+    """The linears one single-token step of a dense model runs, in order (LM head last)."""
+    layers = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        layers += [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
+    head = model.lm_head or model.tied_head
+    if head is None:  # float32 tied: the embedding table through F.linear
+        import torch.nn.functional as F
+
+        w = model.model.embed_tokens.weight
+        return [*layers, lambda x: F.linear(x, w)]
+    return [*layers, head]
+
+
+def _matmul_floor_ms(model: Any, reps: int = 20) -> float:
+    """The same linears as one single-token step, called back to back (median ms)."""
+    import torch
+
+    dtype = model.model.norm.weight.dtype
+    linears = _step_linears(model)
+    xs = {}
+    for lin in linears:
+        k = lin.in_features if hasattr(lin, "in_features") else model.config.hidden_size
+        xs.setdefault(k, torch.randn(1, k, dtype=dtype))
+    times = []
+    with torch.inference_mode():
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for lin in linears:
+                lin(xs[lin.in_features if hasattr(lin, "in_features") else model.config.hidden_size])
+            times.append(time.perf_counter() - t0)
+    return 1000 * sorted(times)[reps // 2]
+
+
+MATMUL_OPS = (
+    "mkldnn::_linear_pointwise",
+    "aten::_weight_int8pack_mm",
+    "aten::_weight_int4pack_mm_for_cpu",
+    "aten::mm",
+    "aten::addmm",
+)
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select", "aten::index_copy_")
+
+
+def _profile_step(engine: Any, tok: Any, steps: int = 8) -> dict[str, float]:
+    """ms per single-stream decode step in matmuls, attention (KV write, page reads, SDPA),
+    other ATen ops, and Python (wall time not inside any ATen op); ops per step."""
+    import torch
+
+    from engine.sampling_params import SamplingParams
+
+    h = engine.add_request(_prompt(tok, 24), SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    with torch.profiler.profile() as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+    engine.run_until_idle()
+    list(h)
+    events = prof.key_averages()
+    top = [e for e in prof.events() if e.cpu_parent is None]  # outermost ops: no double counting
+    total = sum(e.cpu_time_total for e in top) / 1000
+
+    def self_ms(names: tuple[str, ...]) -> float:
+        return sum(e.cpu_time_total for e in top if e.name in names) / 1000
+
+    matmul = self_ms(MATMUL_OPS) + sum(e.cpu_time_total for e in top if e.name == "aten::linear") / 1000
+    attention = self_ms(ATTENTION_OPS) + self_ms(("aten::scaled_dot_product_attention",))
+    return {
+        "step_ms": 1000 * wall / steps,
+        "matmul_ms": matmul / steps,
+        "attention_ms": attention / steps,
+        "other_ops_ms": (total - matmul - attention) / steps,
+        "python_ms": (1000 * wall - total) / steps,
+        "ops_per_step": sum(e.count for e in events if e.key.startswith(("aten::", "mkldnn::"))) / steps,
+    }
+
+
 def _weight_bytes_per_step(model: Any) -> int:
-    """Bytes of weights a decode step reads: every matrix, but only one row of the embedding
-    table (counted once more as the tied LM head when tied)."""
+    """Bytes of weights a decode step reads: every parameter and buffer (shared ones once),
+    but only one row of an embedding table that is not also the LM head."""
     total = 0
-    for name, p in model.named_parameters():
-        if "embed_tokens" in name:
-            total += p.numel() * p.element_size() if model.lm_head is None else 0
-        else:
-            total += p.numel() * p.element_size()
+    seen = set()
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+        if id(p) in seen or name.endswith("inv_freq"):
+            continue
+        seen.add(id(p))
+        tied_float = model.lm_head is None and model.tied_head is None
+        if "embed_tokens" in name and not tied_float:
+            continue
+        total += p.numel() * p.element_size()
     return total
 
 
@@ -120,7 +234,7 @@ def run_transformers(dtype: str, quick: bool) -> dict[str, Any]:
 
     from engine.loading.model_source import pull_demo
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     path = pull_demo()
     torch_dtype = getattr(torch, dtype)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -160,7 +274,7 @@ def run_llama_cpp(dtype: str, quick: bool) -> dict[str, Any]:
 
     from engine.loading.model_source import pull_demo
 
-    llm = Llama(model_path=str(pull_demo()), n_ctx=4096, n_threads=2, n_batch=512, verbose=False)
+    llm = Llama(model_path=str(pull_demo()), n_ctx=4096, n_threads=THREADS, n_batch=512, verbose=False)
     out: dict[str, Any] = {}
     for n in PREFILL_LENGTHS:
         ids = llm.tokenize(" ".join(f"Item {i}: the quick brown fox." for i in range(n)).encode())[:n]
@@ -169,14 +283,20 @@ def run_llama_cpp(dtype: str, quick: bool) -> dict[str, Any]:
         llm.eval(ids)
         out[f"prefill_{n}"] = len(ids) / (time.perf_counter() - t0)
     decode_tokens = 32 if quick else 128
-    ids = llm.tokenize(b"Once upon a time, in a land far away,")
-    llm.reset()
-    llm.eval(ids)
-    t0 = time.perf_counter()
-    for _ in range(decode_tokens):
-        tok = llm.sample(temp=0.0)
-        llm.eval([tok])
-    out["decode_1"] = decode_tokens / (time.perf_counter() - t0)
+    no_eos = {llm.token_eos(): -1e9}
+    short = llm.tokenize(b"Once upon a time, in a land far away,")
+    long = llm.tokenize(" ".join(f"Item {i}: the quick brown fox." for i in range(2048)).encode())[:2048]
+    for key, prompt in (("decode_1", short), ("decode_1_2k", long)):
+        llm.reset()
+        stream = llm.create_completion(
+            prompt, max_tokens=decode_tokens, temperature=0.0, logit_bias=no_eos, stream=True
+        )
+        n, t_first = 0, 0.0
+        for _ in stream:  # its own loop: sampling and detokenizing inside llama.cpp's generator
+            n += 1
+            if n == 1:
+                t_first = time.perf_counter()
+        out[key] = (n - 1) / (time.perf_counter() - t_first)
     out["peak_rss_mb"] = _rss_mb()
     return out
 
@@ -184,28 +304,39 @@ def run_llama_cpp(dtype: str, quick: bool) -> dict[str, Any]:
 WORKERS = {"ours": run_ours, "transformers": run_transformers, "llama.cpp": run_llama_cpp}
 
 
-def worker(system: str, dtype: str, quick: bool) -> None:
-    print(json.dumps(WORKERS[system](dtype, quick)))
+def worker(system: str, dtype: str, quick: bool, profile: bool) -> None:
+    if system == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
+        print(json.dumps({"error": "llama-cpp-python not installed (make bench-peers)"}))
+        return
+    result = run_ours(dtype, quick, profile) if system == "ours" else WORKERS[system](dtype, quick)
+    print(json.dumps(result))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer tokens and stream counts")
     ap.add_argument("--systems", default="ours,transformers,llama.cpp")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16,int8,int4", help="int8/int4: ours only")
+    ap.add_argument("--profile", action="store_true", help="split one decode step of ours by time")
+    ap.add_argument("--threads", type=int, default=None, help="threads per system (targets: 2)")
     ap.add_argument("--worker", nargs=2, metavar=("SYSTEM", "DTYPE"))
     args = ap.parse_args()
+    global THREADS
+    THREADS = args.threads or THREADS
     if args.worker:
-        worker(args.worker[0], args.worker[1], args.quick)
+        worker(args.worker[0], args.worker[1], args.quick, args.profile)
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth_gbs()
-    results: dict[str, Any] = {"bandwidth_gbs": bandwidth, "threads": 2, "runs": {}}
+    results: dict[str, Any] = {"bandwidth_gbs": bandwidth, "threads": THREADS, "runs": {}}
     for system in args.systems.split(","):
         dtypes = ["q4_1"] if system == "llama.cpp" else args.dtypes.split(",")
+        if system == "transformers":
+            dtypes = [d for d in dtypes if d not in QUANTIZED]
         for dtype in dtypes:
             cmd = [sys.executable, __file__, "--worker", system, dtype] + (["--quick"] if args.quick else [])
-            env = os.environ | {"OMP_NUM_THREADS": "2"}
+            cmd += ["--profile"] if args.profile and system == "ours" else []
+            env = os.environ | {"OMP_NUM_THREADS": str(THREADS), "LONGCTX_BENCH_THREADS": str(THREADS)}
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             key = f"{system}/{dtype}"
             if proc.returncode != 0:
@@ -220,30 +351,46 @@ def main() -> None:
 def print_table(results: dict[str, Any]) -> None:
     bw = results["bandwidth_gbs"]
     runs = results["runs"]
-    cols = ["prefill_512", "prefill_2048", "decode_1", "decode_4", "decode_16", "decode_32", "peak_rss_mb"]
-    print(f"copy bandwidth {bw:.1f} GB/s, 2 threads; tokens/s unless noted")
-    print(f"{'system':24}" + "".join(f"{c:>14}" for c in cols) + f"{'ceiling%':>10}")
+    cols = ["prefill_512", "prefill_2048", "decode_1", "decode_1_2k", "decode_4", "decode_16", "decode_32"]
+    cols += ["step_ms_1", "floor_ms", "peak_rss_mb"]
+    print(f"copy bandwidth {bw:.1f} GB/s, {results['threads']} threads; tokens/s unless noted")
+    print(f"{'system':24}" + "".join(f"{c:>13}" for c in cols) + f"{'step/floor':>11}{'ceiling%':>12}")
     for key, r in runs.items():
         if "error" in r:
             print(f"{key:24} error: {r['error']}")
             continue
-        ceiling = ""
+        extra = ""
+        if "floor_ms" in r:
+            extra += f"{r['step_ms_1'] / r['floor_ms']:>10.2f}x"
         if "weight_bytes" in r:
             ceil = bw * 1e9 / (r["weight_bytes"] + 32 * r["kv_bytes_per_token"])
-            ceiling = f"{100 * r['decode_1'] / ceil:.0f}% of {ceil:.0f}"
-        print(f"{key:24}" + "".join(f"{r.get(c, float('nan')):>14.1f}" for c in cols) + f"  {ceiling}")
+            extra += f"  {100 * r['decode_1'] / ceil:.0f}% of {ceil:.0f}"
+        print(f"{key:24}" + "".join(f"{r.get(c, float('nan')):>13.1f}" for c in cols) + extra)
+        if "profile" in r:
+            print(f"{'':24}one decode step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["profile"].items()))
     ratios = {}
     for dt in ("float32", "bfloat16"):
         o, t = runs.get(f"ours/{dt}", {}), runs.get(f"transformers/{dt}", {})
         if "decode_1" in o and "decode_1" in t:
-            for c in cols[:-1]:
+            for c in cols[:7]:
                 if c in o and c in t:
                     ratios[f"{dt} {c} ours/transformers"] = o[c] / t[c]
-            if "decode_16" in o:
-                ratios[f"{dt} decode_16 ours / transformers decode_1"] = o["decode_16"] / t["decode_1"]
+    t32 = runs.get("transformers/bfloat16", {})
+    if "decode_32" in t32 and "decode_32" in runs.get("ours/bfloat16", {}):
+        ratios["bfloat16 decode_32 ours / transformers batch-32"] = (
+            runs["ours/bfloat16"]["decode_32"] / t32["decode_32"]
+        )
     lc = runs.get("llama.cpp/q4_1", {})
-    if "decode_1" in lc and "decode_16" in runs.get("ours/bfloat16", {}):
-        ratios["bfloat16 decode_16 ours / llama.cpp decode_1"] = runs["ours/bfloat16"]["decode_16"] / lc["decode_1"]
+    for dt in ("bfloat16", "int8", "int4"):
+        o = runs.get(f"ours/{dt}", {})
+        if "decode_1" in lc and "decode_1" in o:
+            ratios[f"{dt} decode_1 ours / llama.cpp decode_1"] = o["decode_1"] / lc["decode_1"]
+            if "decode_16" in o:
+                ratios[f"{dt} decode_16 ours / llama.cpp decode_1"] = o["decode_16"] / lc["decode_1"]
+            if "decode_1_2k" in o and "decode_1_2k" in lc:
+                ratios[f"{dt} decode_1_2k ours / llama.cpp"] = o["decode_1_2k"] / lc["decode_1_2k"]
+        if "decode_1_2k" in o:
+            ratios[f"{dt} decode after 2k / after 24 tokens"] = o["decode_1_2k"] / o["decode_1"]
     for k, v in ratios.items():
         print(f"  {k}: {v:.2f}x")
     results["ratios"] = ratios

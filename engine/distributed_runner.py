@@ -68,7 +68,7 @@ def _serve(model: CausalLM, parallel: ParallelContext) -> int:
     assert isinstance(msg, tuple) and msg[0] == "init", msg
     _, num_pages, page_size, dtype, backend_name = msg
     mc = model.config
-    device = model.model.embed_tokens.weight.device
+    device = model.model.norm.weight.device
     spec = KVSpec(mc.num_layers, model.local_kv_heads, mc.head_dim, page_size, dtype)
     backend = make_backend(backend_name, device, model.local_heads, model.local_kv_heads, mc.head_dim)
     runner = ModelRunner(model, KVCache(spec, num_pages, device), backend)

@@ -30,7 +30,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
-        self.device = model.model.embed_tokens.weight.device
+        self.device = model.model.norm.weight.device
         self.num_forward_calls = 0
         self.num_tokens_computed = 0
         self.num_mixed_steps = 0  # steps whose batch held prefill chunks and decode tokens together
@@ -40,8 +40,8 @@ class ModelRunner:
     def for_model(cls, model: CausalLM, page_size: int, kv_cache_bytes: int, attention_backend: str) -> ModelRunner:
         """A runner with a KV cache of `kv_cache_bytes` (this rank's heads, the model's dtype)."""
         mc = model.config
-        device = model.model.embed_tokens.weight.device
-        dtype = str(model.model.embed_tokens.weight.dtype).replace("torch.", "")
+        device = model.model.norm.weight.device
+        dtype = str(model.model.norm.weight.dtype).replace("torch.", "")
         spec = KVSpec(mc.num_layers, model.local_kv_heads, mc.head_dim, page_size, dtype)
         kv_cache = KVCache.from_budget(spec, kv_cache_bytes, device)
         backend = make_backend(attention_backend, device, model.local_heads, model.local_kv_heads, mc.head_dim)

@@ -5,7 +5,8 @@ Kept apart from the test module so that a rank imports neither pytest nor transf
     logits MODEL OUT [--modes tp,ep]: RANK/WORLD_SIZE/MASTER_* set by the caller (as torchrun does);
         a mixed prefill/decode step through a sharded runner on every rank, then greedy
         requests through the engine on rank 0 with the other ranks replaying its plans.
-        Each rank saves its results per mode to OUT/rank{r}-{mode}.pt.
+        Each rank saves its results per mode to OUT/rank{r}-{mode}.pt. A mode may name a
+        weight quantization after a dash (`tp-int8`, `tp-int4`: int4 with group 32).
     serve MODEL: rank 0 spawns rank 1 itself and generates until killed.
 """
 
@@ -25,6 +26,7 @@ from engine.engine import Engine, EngineConfig
 from engine.loading.weights import SafetensorsSource, load_model
 from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
+from engine.model.quant import NONE, QuantConfig
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from kvstore.block_pool import BlockPool
@@ -73,16 +75,18 @@ def greedy_with_engine(engine: Engine, vocab: int) -> list[list[int]]:
 def run_logits(model_dir: Path, out: Path, modes: list[str]) -> None:
     base, watchdog = init_parallel(2)
     for mode in modes:  # one process group, the model built again per mode
-        ctx = ParallelContext(base.rank, base.world_size, mode == "ep", base.group)
-        torch.save(run_mode(ctx, model_dir), out / f"rank{ctx.rank}-{mode}.pt")
+        kind, _, quant = mode.partition("-")
+        ctx = ParallelContext(base.rank, base.world_size, kind == "ep", base.group)
+        torch.save(run_mode(ctx, model_dir, QuantConfig(quant or "none")), out / f"rank{ctx.rank}-{mode}.pt")
     finish_parallel(watchdog)
 
 
-def run_mode(ctx: ParallelContext, model_dir: Path) -> dict[str, object]:
+def run_mode(ctx: ParallelContext, model_dir: Path, quant: QuantConfig = NONE) -> dict[str, object]:
     from tests.tiny_models import run_mixed_step
 
     config = ModelConfig.from_pretrained_dir(model_dir)
-    model, stats = load_model(config, SafetensorsSource(model_dir), torch.float32, progress=False, parallel=ctx)
+    src = SafetensorsSource(model_dir)
+    model, stats = load_model(config, src, torch.float32, progress=False, parallel=ctx, quantization=quant)
     runner = sharded_runner(model)
     ctx.comm.reset()
     mixed = run_mixed_step(runner, BlockPool(runner.kv_cache.num_pages), prompts(config.vocab_size), MIXED_SPLIT)

@@ -115,6 +115,28 @@ def test_logits_and_greedy_tokens_match_single_process(case: tuple[TinyModel, An
         assert results[1]["steps"] > 0  # rank 1 replayed rank 0's plans
 
 
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_tensor_parallel_matches_single_process_quantized(tmp_path: Path, quant: str) -> None:
+    """Column-parallel linears quantize row by row as the whole model does; row-parallel int8
+    scales come from the whole rows (the ranks exchange their row maxima); int4 groups never
+    straddle the split. So the sharded quantized model computes what the single one does."""
+    from engine.loading.weights import SafetensorsSource, load_model
+    from engine.model.quant import QuantConfig
+
+    torch.set_num_threads(1)
+    t = build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path / "model", intermediate_size=128, tie_word_embeddings=True)
+    (tmp_path / "out").mkdir()
+    results = launch_ranks(t.path, tmp_path / "out", (f"tp-{quant}",))[f"tp-{quant}"]
+    model, _ = load_model(
+        t.config, SafetensorsSource(t.path), torch.float32, progress=False, quantization=QuantConfig(quant)
+    )
+    runner = ranks.sharded_runner(model)
+    mixed = run_mixed_step(runner, BlockPool(runner.kv_cache.num_pages), ranks.prompts(t.config.vocab_size), 20)
+    for r, res in enumerate(results):
+        for ours, ref in zip(res["mixed"], mixed, strict=True):
+            assert rel_error(ours, ref) < 1e-4, f"rank {r}"
+
+
 def _replicated(name: str, shape: tuple[int, ...], num_kv_heads: int) -> bool:
     """Checkpoint tensors every rank reads whole: norms, routers, the shared expert's gate."""
     if len(shape) == 1 and "norm" in name:

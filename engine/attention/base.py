@@ -27,6 +27,8 @@ class AttentionMetadata:
         positions: [T] int64, the position of each token in its sequence.
         slot_pages: [T] int64, page where each new token's K/V is written.
         slot_offsets: [T] int64, offset inside that page.
+        kv_slots: [T] int64, row of each new token's K in the cache viewed flat as
+            `[num_pages * 2 * page_size, KVH, D]` (its V row is `page_size` further).
         q_lens, kv_lens: host copies (new tokens, and total tokens after this step) per sequence.
         page_size: tokens per page.
     """
@@ -38,6 +40,7 @@ class AttentionMetadata:
     positions: torch.Tensor
     slot_pages: torch.Tensor
     slot_offsets: torch.Tensor
+    kv_slots: torch.Tensor
     q_lens: list[int]
     kv_lens: list[int]
     page_size: int
@@ -93,6 +96,7 @@ class AttentionMetadata:
             positions=i64(positions),
             slot_pages=i64(slot_pages),
             slot_offsets=i64(slot_offsets),
+            kv_slots=i64([p * 2 * page_size + o for p, o in zip(slot_pages, slot_offsets, strict=True)]),
             q_lens=list(q_lens),
             kv_lens=list(kv_lens),
             page_size=page_size,
@@ -139,6 +143,10 @@ class AttentionBackend(ABC):
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Store the step's new K/V at their slots. cache [P, 2, S, KVH, D]; k, v [T, KVH, D]."""
-    cache[meta.slot_pages, 0, meta.slot_offsets] = k.to(cache.dtype)
-    cache[meta.slot_pages, 1, meta.slot_offsets] = v.to(cache.dtype)
+    """Store the step's new K/V at their slots. cache [P, 2, S, KVH, D]; k, v [T, KVH, D].
+
+    Two `index_copy_` on the cache viewed flat, one index tensor (V rows are K rows + S)."""
+    P, _, S, KVH, D = cache.shape
+    flat = cache.view(P * 2 * S, KVH, D)
+    flat.index_copy_(0, meta.kv_slots, k.to(cache.dtype))
+    flat[S:].index_copy_(0, meta.kv_slots, v.to(cache.dtype))

@@ -1,9 +1,13 @@
 """Paged attention in plain torch: the CPU path and the oracle every other backend is checked against.
 
 Decoding sequences (one new token each) are batched into a single SDPA call over their
-gathered pages, padded to the longest; prefilling sequences run one SDPA call each, with
-a causal mask aligned to the end of their context (new tokens attend to the cached pages
-plus themselves).
+pages, padded to the longest; prefilling sequences run one SDPA call each, with a causal
+mask aligned to the end of their context (new tokens attend to the cached pages plus
+themselves). No step copies the whole context more than once: K and V are each read with
+one `index_select` on the cache viewed as `[pages * 2, page_size, KVH, D]` (page p's K at
+row 2p, its V at 2p + 1), sliding-window layers read only the pages their window reaches,
+a whole prompt in one chunk runs as plain causal attention without a mask, and a single
+decoding sequence slices its keys instead of masking them.
 """
 
 from __future__ import annotations
@@ -17,20 +21,30 @@ from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 
 
 @dataclass
-class _Prefill:
-    seq: int
+class _Seq:
     q_start: int
     q_len: int
     kv_len: int
-    pages: torch.Tensor  # [n] int64
+    pages: list[int]  # the sequence's pages, enough for kv_len tokens
 
 
 @dataclass
-class _DecodeGroup:
-    rows: torch.Tensor  # [Bd] int64, token rows of the decoding sequences
-    pages: torch.Tensor  # [Bd, maxP] int64 (padded with page 0)
-    kv_lens: torch.Tensor  # [Bd] int64
-    max_kv: int
+class _Read:
+    """What one attention call reads for one window: K/V rows of the flat page view, and how
+    to trim or mask them. For the decode group: pages padded to the longest, [B * n]."""
+
+    k_rows: torch.Tensor  # [B * n] int64, 2 * page
+    v_rows: torch.Tensor  # [B * n] int64, 2 * page + 1
+    n_pages: int  # per sequence (padded)
+    start: int  # tokens to drop from the front of the read (B = 1 only)
+    length: int  # tokens kept after `start` (B = 1 only; padded reads keep all)
+    mask: torch.Tensor | None  # bool, True = attend: decode [B, 1, 1, L], prefill [q, L]
+    causal: bool  # plain causal attention (prefill of a whole prompt within its window)
+
+
+def _first_token(q_start_pos: int, window: int | None) -> int:
+    """First context position a query at `q_start_pos` (the earliest of its chunk) can see."""
+    return 0 if window is None else max(0, q_start_pos - window + 1)
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -38,57 +52,71 @@ class TorchPagedBackend(AttentionBackend):
 
     def plan(self, meta: AttentionMetadata) -> None:
         self.meta = meta
+        self.page_size = meta.page_size
         kv_indptr = meta.kv_indptr.tolist()
-        indices = meta.kv_indices.to(torch.int64)
-        device = indices.device
+        indices = meta.kv_indices.tolist()
         qo = meta.qo_indptr.tolist()
-        self.prefills: list[_Prefill] = []
-        decode_rows, decode_pages, decode_lens = [], [], []
+        self.device = meta.kv_indices.device
+        self.prefills: list[_Seq] = []
+        self.decodes: list[_Seq] = []
         for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens, strict=True)):
-            pages = indices[kv_indptr[b] : kv_indptr[b + 1]]
-            if q_len == 1:
-                decode_rows.append(qo[b])
-                decode_pages.append(pages)
-                decode_lens.append(kv_len)
-            else:
-                self.prefills.append(_Prefill(b, qo[b], q_len, kv_len, pages))
-        self.decode: _DecodeGroup | None = None
-        if decode_rows:
-            max_pages = max(p.numel() for p in decode_pages)
-            padded = torch.zeros(len(decode_pages), max_pages, dtype=torch.int64, device=device)
-            for i, p in enumerate(decode_pages):
-                padded[i, : p.numel()] = p
-            self.decode = _DecodeGroup(
-                rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
-                pages=padded,
-                kv_lens=torch.tensor(decode_lens, dtype=torch.int64, device=device),
-                max_kv=max_pages * meta.page_size,
-            )
-        self._masks: dict[int | None, tuple[torch.Tensor | None, list[torch.Tensor]]] = {}
+            seq = _Seq(qo[b], q_len, kv_len, indices[kv_indptr[b] : kv_indptr[b + 1]])
+            (self.decodes if q_len == 1 else self.prefills).append(seq)
+        # Every row decodes: q is the decode group's queries as is, no gather or scatter.
+        self.all_decode = not self.prefills
+        self.decode_rows = (
+            None
+            if self.all_decode or not self.decodes
+            else torch.tensor([s.q_start for s in self.decodes], dtype=torch.int64, device=self.device)
+        )
+        self._reads: dict[int | None, tuple[_Read | None, list[_Read]]] = {}
 
-    def _masks_for(self, window: int | None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """Boolean masks (True = attend) for the decode group [Bd, 1, 1, L] and each prefill [q, kv]."""
-        if window in self._masks:
-            return self._masks[window]
-        decode_mask = None
-        if self.decode is not None:
-            d = self.decode
-            kv_pos = torch.arange(d.max_kv, device=d.kv_lens.device)[None, :]  # [1, L]
-            q_pos = (d.kv_lens - 1)[:, None]  # [Bd, 1]
+    def _rows(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.tensor(pages, dtype=torch.int64, device=self.device) * 2
+        return k, k + 1
+
+    def _decode_read(self, window: int | None) -> _Read:
+        S = self.page_size
+        firsts = [_first_token(s.kv_len - 1, window) // S for s in self.decodes]  # first page read
+        if len(self.decodes) == 1:
+            s, first = self.decodes[0], firsts[0]
+            k, v = self._rows(s.pages[first:])
+            start = _first_token(s.kv_len - 1, window) - first * S
+            return _Read(k, v, len(s.pages) - first, start, s.kv_len - first * S - start, None, False)
+        n = max(len(s.pages) - f for s, f in zip(self.decodes, firsts, strict=True))
+        padded = []
+        for s, f in zip(self.decodes, firsts, strict=True):
+            padded += s.pages[f:] + [0] * (n - (len(s.pages) - f))
+        k, v = self._rows(padded)
+        offs = torch.tensor([f * S for f in firsts], device=self.device)[:, None]  # [B, 1]
+        kv_pos = offs + torch.arange(n * S, device=self.device)[None, :]  # [B, L]
+        q_pos = torch.tensor([s.kv_len - 1 for s in self.decodes], device=self.device)[:, None]
+        mask = kv_pos <= q_pos
+        if window is not None:
+            mask &= kv_pos > q_pos - window
+        return _Read(k, v, n, 0, n * S, mask[:, None, None, :], False)
+
+    def _prefill_read(self, s: _Seq, window: int | None) -> _Read:
+        S = self.page_size
+        first = _first_token(s.kv_len - s.q_len, window) // S
+        k, v = self._rows(s.pages[first:])
+        length = s.kv_len - first * S
+        causal = s.q_len == s.kv_len and (window is None or s.kv_len <= window)
+        mask = None
+        if not causal:
+            q_pos = torch.arange(s.kv_len - s.q_len, s.kv_len, device=self.device)[:, None]  # [q, 1]
+            kv_pos = first * S + torch.arange(length, device=self.device)[None, :]  # [1, L]
             mask = kv_pos <= q_pos
             if window is not None:
                 mask &= kv_pos > q_pos - window
-            decode_mask = mask[:, None, None, :]
-        prefill_masks = []
-        for p in self.prefills:
-            q_pos = torch.arange(p.kv_len - p.q_len, p.kv_len)[:, None]  # [q, 1]
-            kv_pos = torch.arange(p.kv_len)[None, :]  # [1, kv]
-            mask = kv_pos <= q_pos
-            if window is not None:
-                mask &= kv_pos > q_pos - window
-            prefill_masks.append(mask.to(p.pages.device))
-        self._masks[window] = (decode_mask, prefill_masks)
-        return self._masks[window]
+        return _Read(k, v, len(s.pages) - first, 0, length, mask, causal)
+
+    def _reads_for(self, window: int | None) -> tuple[_Read | None, list[_Read]]:
+        """Per window (layers share them): the decode group's read and each prefill's."""
+        if window not in self._reads:
+            decode = self._decode_read(window) if self.decodes else None
+            self._reads[window] = (decode, [self._prefill_read(s, window) for s in self.prefills])
+        return self._reads[window]
 
     def forward(
         self,
@@ -99,39 +127,47 @@ class TorchPagedBackend(AttentionBackend):
         cache: torch.Tensor,
         window: int | None = None,
     ) -> torch.Tensor:
-        meta = self.meta
-        write_kv(cache, k, v, meta)
-        out = torch.empty_like(q)  # [T, H, D]
-        decode_mask, prefill_masks = self._masks_for(window)
-        S, KVH, D = cache.shape[2], cache.shape[3], cache.shape[4]
-        if self.decode is not None:
-            d = self.decode
-            kv = cache[d.pages]  # [Bd, maxP, 2, S, KVH, D]
-            Bd, maxP = d.pages.shape
-            keys = kv[:, :, 0].reshape(Bd, maxP * S, KVH, D).transpose(1, 2).to(q.dtype)  # [Bd, KVH, L, D]
-            values = kv[:, :, 1].reshape(Bd, maxP * S, KVH, D).transpose(1, 2).to(q.dtype)
-            queries = q[d.rows].unsqueeze(2)  # [Bd, H, 1, D]
+        write_kv(cache, k, v, self.meta)
+        P, _, S, KVH, D = cache.shape
+        pages = cache.view(P * 2, S, KVH, D)
+        decode, prefills = self._reads_for(window)
+
+        def gather(r: _Read, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """Keys and values [batch, KVH, L, D], one index_select each."""
+            kv = []
+            for rows in (r.k_rows, r.v_rows):
+                x = pages.index_select(0, rows).view(batch, r.n_pages * S, KVH, D)
+                if batch == 1 and (r.start or r.length != r.n_pages * S):
+                    x = x[:, r.start : r.start + r.length]
+                kv.append(x.transpose(1, 2).to(q.dtype))
+            return kv[0], kv[1]
+
+        if self.all_decode and decode is not None:
+            keys, values = gather(decode, len(self.decodes))
             o = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=decode_mask, scale=self.scale, enable_gqa=True
+                q.unsqueeze(2), keys, values, attn_mask=decode.mask, scale=self.scale, enable_gqa=True
+            )  # [T, H, 1, D]
+            return o.squeeze(2)
+        out = torch.empty_like(q)  # [T, H, D]
+        if decode is not None and self.decode_rows is not None:
+            keys, values = gather(decode, len(self.decodes))
+            o = F.scaled_dot_product_attention(
+                q[self.decode_rows].unsqueeze(2), keys, values, attn_mask=decode.mask, scale=self.scale, enable_gqa=True
             )  # [Bd, H, 1, D]
-            out[d.rows] = o.squeeze(2)
-        for p, mask in zip(self.prefills, prefill_masks, strict=True):
-            kv = cache[p.pages]  # [n, 2, S, KVH, D]
-            n = p.pages.numel()
-            keys = kv[:, 0].reshape(n * S, KVH, D)[: p.kv_len].transpose(0, 1).to(q.dtype)  # [KVH, kv, D]
-            values = kv[:, 1].reshape(n * S, KVH, D)[: p.kv_len].transpose(0, 1).to(q.dtype)
-            queries = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)  # [H, q, D]
+            out[self.decode_rows] = o.squeeze(2)
+        for s, r in zip(self.prefills, prefills, strict=True):
+            keys, values = gather(r, 1)
+            queries = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
             # 4-D inputs: with 3-D ones torch takes its slow math path on CPU (~9x slower here).
             # A whole prompt in one chunk is plain causal attention: the kernel then skips masked blocks.
-            causal = p.q_len == p.kv_len and window is None
             o = F.scaled_dot_product_attention(
                 queries[None],
-                keys[None],
-                values[None],
-                attn_mask=None if causal else mask,
-                is_causal=causal,
+                keys,
+                values,
+                attn_mask=r.mask,
+                is_causal=r.causal,
                 scale=self.scale,
                 enable_gqa=True,
             )[0]  # [H, q, D]
-            out[p.q_start : p.q_start + p.q_len] = o.transpose(0, 1)
+            out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
         return out

@@ -17,6 +17,7 @@ from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import LoadStats, SafetensorsSource, TensorCallback, TensorSource, load_model
 from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
+from engine.model.quant import QuantConfig
 
 log = logging.getLogger("longctx.loader")
 
@@ -132,30 +133,45 @@ def load(
     parallel: ParallelContext = SINGLE,
     cache: bool = True,
     on_tensor: TensorCallback | None = None,
+    quantization: str = "none",
+    group_size: int = 32,
 ) -> LoadedModel:
     """Resolve, read config, load weights and tokenizer. Phases are timed into the stats.
 
     Args:
         cache: a GGUF's conversions (config, tokenizer, dequantized weights) are read from, or
-            written to, a cache beside the file (`engine.loading.gguf_cache`); sharded loads
-            cache only the config and tokenizer.
+            written to, a cache beside the file (`engine.loading.gguf_cache`); sharded or
+            quantized loads cache only the config and tokenizer.
         on_tensor: called with each tensor as it is read (see `load_weights`).
+        quantization: none, int8 or int4 (weight-only, every linear; `engine/model/quant.py`),
+            applied while the weights stream in; GGUF blocks are dequantized first, then
+            requantized.
+        group_size: int4's group (32, 64 or 128).
     """
+    quant = QuantConfig(quantization, group_size)
     dev = torch.device(device)
     t0 = time.perf_counter()
     source = resolve_model(spec)
     gguf_cache = GGUFCache(source.path) if cache and source.kind == "gguf" else None
-    weights_cache = gguf_cache if not parallel.sharded else None
+    # A quantized load's fingerprint carries its quantization: it is never the GGUF's own.
+    weights_cache = gguf_cache if not parallel.sharded and not quant.enabled else None
     config = gguf_cache.config() if gguf_cache is not None else None
     # The dtype decides which cached weights to read; it needs the config (cached or not).
     torch_dtype = resolve_dtype(dtype, config, source, dev) if config is not None else None
     config, tensors = open_source(source, weights_cache, torch_dtype)
-    if gguf_cache is not None and parallel.sharded and gguf_cache.config() is None:
+    if gguf_cache is not None and weights_cache is None and gguf_cache.config() is None:
         gguf_cache.save_config(config)
     torch_dtype = resolve_dtype(dtype, config, source, dev)
     t_config = time.perf_counter() - t0
     model, stats = load_model(
-        config, tensors, torch_dtype, dev, progress=progress, parallel=parallel, on_tensor=on_tensor
+        config,
+        tensors,
+        torch_dtype,
+        dev,
+        progress=progress,
+        parallel=parallel,
+        on_tensor=on_tensor,
+        quantization=quant,
     )
     t1 = time.perf_counter()
     if weights_cache is not None:
@@ -165,10 +181,11 @@ def load(
     tokenizer = load_tokenizer(source, config.eos_token_ids, gguf_cache)
     stats.phases = {"resolve+config": t_config, **stats.phases, "tokenizer": time.perf_counter() - t1}
     log.info(
-        "model %s (%s, %s) ready: %s",
+        "model %s (%s, %s%s) ready: %s",
         source.name,
         config.architecture,
         str(torch_dtype).replace("torch.", ""),
+        f", {quant.tag}" if quant.enabled else "",
         stats.summary(),
     )
     return LoadedModel(source, config, model, tokenizer, torch_dtype, stats)

@@ -31,9 +31,11 @@ from engine.loading.safetensors_file import (
     read_tensor_part,
 )
 from engine.model.config import ModelConfig
-from engine.model.layers import OTHER_RANK
-from engine.model.linear import pack_linears
+from engine.model.layers import OTHER_RANK, ShardIndex
+from engine.model.linear import convert_module, convert_tied_head
 from engine.model.model import CausalLM
+from engine.model.moe import SparseMoE
+from engine.model.quant import NONE, QuantConfig, int8_scales
 from engine.model.tp import SourceSlice
 
 log = logging.getLogger("longctx.weights")
@@ -120,12 +122,18 @@ def load_weights(
     progress: bool | None = None,
     stats: LoadStats | None = None,
     on_tensor: TensorCallback | None = None,
+    convert: QuantConfig | None = None,
 ) -> LoadStats:
     """Fill `model`'s parameters from `source`. Raises CheckpointError on any mismatch.
 
     A sharded model reads only its slice of each split tensor and skips tensors of other ranks;
     `stats.bytes_read` counts the bytes actually read. `on_tensor` sees every tensor loaded, as
-    read, so that statistics need no second pass over the files."""
+    read, so that statistics need no second pass over the files.
+
+    convert: when given, each linear (and MoE expert stack) is replaced by its packed or
+    quantized module as soon as its last tensor is in, and its float weights dropped, so peak
+    memory is the converted model plus the parameter being assembled (`engine/model/linear.py`).
+    The fingerprint then includes the quantization."""
     stats = stats or LoadStats()
     t0 = time.perf_counter()
     params = dict(model.named_parameters())
@@ -146,6 +154,7 @@ def load_weights(
     )
     tied = model.config.tie_word_embeddings
     read_s = 0.0
+    converter = None if convert is None else _Converter(model, convert, shard_specs, slices)
     for t in tensors:
         target = mapping(t.name)
         if target == OTHER_RANK:
@@ -158,6 +167,8 @@ def load_weights(
             unexpected.append(f"{t.name} (in {t.file})")
             continue
         pname, shard = target
+        if pname not in params:  # its module was converted: every part of it was loaded already
+            raise CheckpointError(f"{t.file}: tensor {t.name!r} overlaps tensors already loaded whole into {pname}")
         param = params[pname]
         specs = shard_specs.get(pname)
         if shard is not None and (specs is None or shard not in specs):
@@ -193,7 +204,10 @@ def load_weights(
         stats.bytes_read += nbytes
         stats.num_tensors += 1
         bar.update(t.nbytes)
-        del value
+        del value, dest, param
+        if converter is not None and converter.ready(pname, loaded):
+            for name in converter.params_of(pname):
+                params.pop(name)  # the float weights go with the module they belonged to
     bar.close()
     if unexpected:
         raise CheckpointError(
@@ -201,7 +215,7 @@ def load_weights(
             + ", ".join(unexpected[:5])
         )
     missing = []
-    for name in params:
+    for name in loaded:
         expected = set(shard_specs.get(name, {None: ()}).keys())
         if None in loaded[name]:
             continue  # loaded whole: covers every part
@@ -214,12 +228,78 @@ def load_weights(
     h = xxhash.xxh3_128()
     for d in sorted(digests):
         h.update(d)
+    if convert is not None:
+        assert converter is not None
+        converter.finish()
+        if convert.enabled:
+            h.update(convert.tag.encode())
     stats.fingerprint = h.hexdigest()
     elapsed = time.perf_counter() - t0
     stats.phases["read"] = stats.phases.get("read", 0.0) + read_s
     stats.phases["copy"] = stats.phases.get("copy", 0.0) + elapsed - read_s
     stats.seconds += elapsed
     return stats
+
+
+class _Converter:
+    """Converts modules while their weights stream in (see `load_weights`)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        quant: QuantConfig,
+        shard_specs: dict[str, dict[object, ShardIndex]],
+        slices: dict[str, dict[object, SourceSlice]],
+    ):
+        self.model, self.quant, self.shard_specs, self.slices = model, quant, shard_specs, slices
+        self.modules = {
+            name: m for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, SparseMoE)) and name
+        }
+        self.deferred: list[str] = []
+        self.done: set[str] = set()
+
+    def params_of(self, pname: str) -> list[str]:
+        owner = pname.rpartition(".")[0]
+        return [f"{owner}.{n}" for n, _ in self.modules[owner].named_parameters(recurse=False)]
+
+    def _row_split(self, pname: str) -> bool:
+        """Does this rank hold only some input columns of the weight (a row-parallel split)?"""
+        return any(s.dim == 2 if pname.endswith(".w2") else s.dim == 1 for s in self.slices.get(pname, {}).values())
+
+    def ready(self, pname: str, loaded: dict[str, set[object]]) -> bool:
+        """Called after each tensor: converts the owning module once all its parameters are
+        complete. Returns whether it did (now or deferred) so the caller drops its references."""
+        owner = pname.rpartition(".")[0]
+        if owner not in self.modules or owner in self.done:
+            return False
+        for name in self.params_of(pname):
+            expected = set(self.shard_specs.get(name, {None: ()}).keys())
+            if None not in loaded[name] and not expected <= loaded[name]:
+                return False
+        self.done.add(owner)
+        if (
+            self.quant.mode == "int8"
+            and self.model.parallel.sharded
+            and any(map(self._row_split, self.params_of(pname)))
+        ):
+            self.deferred.append(owner)  # needs the whole rows' maxima: collectives, in one order on all ranks
+            return False
+        return convert_module(self.model, owner, self.quant)
+
+    def finish(self) -> None:
+        """Row-parallel int8 linears (every rank, sorted), then the tied head."""
+        parallel = self.model.parallel
+        for owner in sorted(self.deferred):
+            absmax = {}
+            for name, p in self.modules[owner].named_parameters(recurse=False):
+                if self._row_split(name := f"{owner}.{name}"):
+                    local = torch.stack([int8_scales(w) for w in p.detach().reshape(-1, *p.shape[-2:])])  # [E, N]
+                    sizes = [local.shape[-1]] * parallel.world_size
+                    gathered = parallel.all_gather(local, sizes, dim=-1)  # [E, world * N]
+                    full = gathered.view(local.shape[0], parallel.world_size, -1).amax(dim=1)
+                    absmax[name] = full if p.dim() == 3 else full[0]
+            convert_module(self.model, owner, self.quant, absmax)
+        convert_tied_head(self.model, self.quant)
 
 
 def _digest(name: str, value: torch.Tensor) -> bytes:
@@ -237,18 +317,18 @@ def load_model(
     progress: bool | None = None,
     parallel: ParallelContext = SINGLE,
     on_tensor: TensorCallback | None = None,
+    quantization: QuantConfig = NONE,
 ) -> tuple[CausalLM, LoadStats]:
-    """Build the model (this rank's shard) and load its weights. Returns (model in eval mode, statistics)."""
+    """Build the model (this rank's shard) and load its weights, packing (bf16) or quantizing
+    linears as they complete. Returns (model in eval mode, statistics)."""
     stats = LoadStats()
     t0 = time.perf_counter()
     model = build_empty(config, dtype, device, parallel)
     stats.phases["build"] = time.perf_counter() - t0
     stats.seconds = stats.phases["build"]
-    load_weights(model, source, progress=progress, stats=stats, on_tensor=on_tensor)
-    t1 = time.perf_counter()
-    if pack_linears(model):
-        stats.phases["pack"] = time.perf_counter() - t1
-        stats.seconds += stats.phases["pack"]
+    if quantization.enabled and torch.device(device).type != "cpu":
+        raise ValueError(f"--quantization {quantization.mode} runs on CPU only (torch's int8/int4 CPU kernels)")
+    load_weights(model, source, progress=progress, stats=stats, on_tensor=on_tensor, convert=quantization)
     model.eval()
     log.info("%s: %s", source.description, stats.summary())
     return model, stats

@@ -29,14 +29,28 @@ def set_shards(module: nn.Module, param: str, specs: Mapping[object, ShardIndex]
 
 
 class RMSNorm(nn.Module):
+    """`weight * x / rms(x)`, transformers' formula: torch's `rms_norm` accumulates in float32
+    and rounds to x's dtype, then the weight multiplies. In float32 one fused kernel; in bf16
+    the weight stays a separate multiply (folding it into the kernel before the rounding moves
+    a tiny MoE's logits 5% off transformers')."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalised in float32 and cast back before the weight, as transformers does.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        """x [..., dim] -> [..., dim]."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
+
+
+def add_rms_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add fused with the next norm: returns (norm(x + residual), x + residual),
+    both [T, hidden]. Called through the module so forward hooks still see the norm's output."""
+    h = x + residual
+    return norm(h), h
 
 
 class DenseMLP(nn.Module):

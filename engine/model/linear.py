@@ -1,4 +1,5 @@
-"""Linear layers with weights prepacked for oneDNN, for bfloat16 on CPU.
+"""Linear layers with weights prepacked for oneDNN (bfloat16 on CPU) or quantized (`quant.py`),
+and the conversion of a loaded model's linears, MoE experts and tied LM head to them.
 
 torch's `F.linear` on CPU reorders a bf16 weight into oneDNN's blocked layout on every call;
 for the small-batch matmuls of decoding that reorder costs as much as the product itself.
@@ -8,14 +9,19 @@ packed tensor holds the same bytes; results equal `F.linear`'s (the same kernel 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 from torch import nn
 
+from engine.model.moe import SparseMoE
+from engine.model.quant import NONE, QuantConfig, QuantEmbedding, QuantLinear
+
 log = logging.getLogger("longctx.linear")
 
 
+@functools.cache
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return False
@@ -31,11 +37,12 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 class PackedLinear(nn.Module):
     """`y = x W^T (+ b)` with W prepacked; x [..., in] -> [..., out]."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """weight [out, in] bf16, bias [out] or None."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1), False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), False)
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1), False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -43,16 +50,104 @@ class PackedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` of a loaded bf16 CPU model by a `PackedLinear`. Returns how many."""
-    params = list(model.parameters())
-    if not params or not packing_supported(params[0].dtype, params[0].device):
-        return 0
+# Linears that stay in the model dtype under quantization: MoE routers (an int8 router can
+# change which experts a token goes to) and Qwen2-MoE's one-row shared-expert gate.
+UNQUANTIZED_SUFFIXES = (".mlp.gate", ".shared_expert_gate")
+
+
+def head_quant(quant: QuantConfig) -> QuantConfig:
+    """The LM head stays int8 under int4, as llama.cpp keeps its output tensor at 6+ bits: at 4
+    bits its rounding moves the demo model's top-1 token at ~1 position in 6 (the embedding,
+    read from the head's rows when tied, follows it)."""
+    return QuantConfig("int8") if quant.mode == "int4" else quant
+
+
+def make_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    quant: QuantConfig,
+    absmax: torch.Tensor | None = None,
+) -> nn.Module | None:
+    """The fast module for `y = x W^T + b` (weight [out, in]): quantized, prepacked bf16, or
+    None when plain `F.linear` is as good (float32, or no oneDNN)."""
+    if quant.enabled:
+        return QuantLinear(weight, bias, quant, weight.dtype, absmax)
+    if packing_supported(weight.dtype, weight.device):
+        return PackedLinear(weight, bias)
+    return None
+
+
+def convert_module(
+    model: nn.Module, name: str, quant: QuantConfig = NONE, absmax: dict[str, torch.Tensor] | None = None
+) -> bool:
+    """Replace the loaded `nn.Linear` at `name` (or the expert stacks of the `SparseMoE` there)
+    by packed or quantized modules, dropping the float weights. Returns whether anything changed.
+
+    absmax: per parameter name (`<name>.weight`, `<name>.w2`), the int8 row maxima over the whole
+    checkpoint row, for ranks that hold only some of a row's columns."""
+    absmax = absmax or {}
+    module = model.get_submodule(name)
+    if isinstance(module, nn.Linear):
+        q = NONE if name.endswith(UNQUANTIZED_SUFFIXES) else head_quant(quant) if name == "lm_head" else quant
+        new = make_linear(
+            module.weight.detach(),
+            None if module.bias is None else module.bias.detach(),
+            q,
+            absmax.get(f"{name}.weight"),
+        )
+        if new is None:
+            return False
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
+        return True
+    if isinstance(module, SparseMoE):
+        changed = False
+        for attr in ("w13", "w2"):
+            stack = module._parameters.get(attr)
+            if stack is None:
+                continue
+            amax = absmax.get(f"{name}.{attr}")
+            layers = [
+                make_linear(stack[e].detach(), None, quant, None if amax is None else amax[e])
+                for e in range(stack.shape[0])
+            ]
+            if any(x is None for x in layers):
+                continue
+            module.register_parameter(attr, None)
+            setattr(module, f"{attr}_linears", nn.ModuleList(x for x in layers if x is not None))
+            changed = True
+        return changed
+    return False
+
+
+def convert_tied_head(model: nn.Module, quant: QuantConfig = NONE) -> bool:
+    """Give a tied model (`model.tied_head`) its LM head as a linear of its own, packed or
+    quantized from the embedding table. Quantized, the embedding is then read back from the
+    head's quantized rows, so the float table is dropped (single process only)."""
+    embed = model.model.embed_tokens  # type: ignore[union-attr]
+    if model.lm_head is not None:  # type: ignore[union-attr]
+        return False
+    head = make_linear(embed.weight.detach(), None, head_quant(quant))
+    if head is None:
+        return False
+    model.tied_head = head
+    if isinstance(head, QuantLinear):
+        table = QuantEmbedding(head, embed.weight.detach())
+        if type(embed) is nn.Embedding:
+            model.model.embed_tokens = table  # type: ignore[union-attr]
+        else:  # vocabulary-parallel: keeps its float table, holding the same dequantized rows
+            with torch.no_grad():
+                embed.weight.copy_(table(torch.arange(embed.weight.shape[0], device=embed.weight.device)))
+    return True
+
+
+def convert_all(model: nn.Module, quant: QuantConfig = NONE) -> int:
+    """Convert every linear, MoE expert stack and the tied head of a loaded model (the loader
+    converts while streaming instead; this is for models loaded whole). Returns how many."""
     count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
-                setattr(module, name, PackedLinear(child))
-                count += 1
-    log.debug("prepacked %d linear layers for oneDNN", count)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (nn.Linear, SparseMoE)):
+            count += convert_module(model, name, quant)
+    count += convert_tied_head(model, quant)
+    log.debug("converted %d linear layers (%s)", count, quant.mode)
     return count

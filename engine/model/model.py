@@ -17,7 +17,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.distributed.parallel import SINGLE, ParallelContext
 from engine.model.config import ModelConfig
-from engine.model.layers import OTHER_RANK, DenseMLP, RMSNorm, ShardIndex, set_shards
+from engine.model.layers import OTHER_RANK, DenseMLP, RMSNorm, ShardIndex, add_rms_norm, set_shards
 from engine.model.moe import SparseMoE
 from engine.model.rope import RotaryEmbedding, apply_rotary
 from engine.model.tp import (
@@ -113,12 +113,22 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: torch.Tensor,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) [T, hidden] each -> (this layer's MLP output, the residual stream before it).
+
+        The residual add is deferred into the next norm (`add_rms_norm`): the layer's output is
+        `x + residual` of the returned pair; the first layer gets residual None."""
+        if residual is None:
+            h, normed = x, self.input_layernorm(x)
+        else:
+            normed, h = add_rms_norm(self.input_layernorm, x, residual)
+        attn = self.self_attn(normed, cos_sin, cache, backend)
+        normed, h = add_rms_norm(self.post_attention_layernorm, attn, h)
+        return self.mlp(normed), h
 
 
 class Backbone(nn.Module):
@@ -154,6 +164,9 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, v_size, bias=False)
         if self.lm_head is not None and parallel.sharded:
             set_source_slices(self.lm_head, "weight", {None: rows(v_start, v_size)})
+        # The tied LM head as a linear of its own once packed or quantized (`engine/model/linear.py`);
+        # until then the embedding table is used directly.
+        self.tied_head: nn.Module | None = None
         heads = split_heads(config.num_heads, config.num_kv_heads, parallel)
         self.local_heads, self.local_kv_heads = heads.heads, heads.kv_heads  # the KV cache holds these
         self.rope = RotaryEmbedding(config)
@@ -162,6 +175,14 @@ class CausalLM(nn.Module):
         """Recompute non-persistent buffers (after building on the meta device)."""
         device = self.model.embed_tokens.weight.device
         self.rope = RotaryEmbedding(self.config).to(device)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head on normed hidden states: [N, hidden] -> [N, V_local] in the model dtype."""
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        if self.tied_head is not None:
+            return self.tied_head(x)
+        return F.linear(x, self.model.embed_tokens.weight)
 
     def forward(
         self,
@@ -183,13 +204,13 @@ class CausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos_sin = self.rope.cos_sin(meta.positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, cache, backend)
-        if logits_indices is not None:
-            x = x[logits_indices]
-        x = self.model.norm(x)
-        head = self.lm_head
-        logits = F.linear(x, self.model.embed_tokens.weight) if head is None else head(x)  # [N, V_local]
+            x, residual = layer(x, residual, cos_sin, cache, backend)
+        if logits_indices is not None and residual is not None:
+            x, residual = x[logits_indices], residual[logits_indices]
+        x = self.model.norm(x) if residual is None else add_rms_norm(self.model.norm, x, residual)[0]
+        logits = self.head(x)  # [N, V_local]
         if self.parallel.sharded:
             logits = gather_vocab(logits, self.config.vocab_size, self.parallel)  # [N, V]
         return logits.float()

@@ -95,6 +95,9 @@ class SparseMoE(nn.Module):
             fused = SourceSlice(1, ((i0, I), (I_full + i0, I)))
             set_source_slices(self, "w13", {None: fused} | {(e, p): rows(i0, I) for e in local for p in ("gate", "up")})
             set_source_slices(self, "w2", {None: rows(i0, I, dim=2)} | {(e, "down"): rows(i0, I, dim=1) for e in local})
+        # Per expert, packed or quantized modules replacing w13 / w2 after loading (`linear.py`).
+        self.w13_linears: nn.ModuleList | None = None
+        self.w2_linears: nn.ModuleList | None = None
         self.last_load = torch.zeros(E, dtype=torch.int64, device="cpu")  # not on the meta device
         self.last_expert_calls = 0
         self.num_expert_calls = 0
@@ -140,8 +143,10 @@ class SparseMoE(nn.Module):
         """Expert `e` (global id, held by this rank) on its rows: [n, H] -> [n, H] (SwiGLU)."""
         self.num_expert_calls += 1
         i = e - self.expert_start
-        gate, up = F.linear(rows, self.w13[i]).chunk(2, dim=-1)  # [n, I] each
-        return F.linear(F.silu(gate) * up, self.w2[i])
+        w13 = self.w13_linears[i](rows) if self.w13_linears is not None else F.linear(rows, self.w13[i])
+        gate, up = w13.chunk(2, dim=-1)  # [n, I] each
+        h = F.silu(gate) * up
+        return self.w2_linears[i](h) if self.w2_linears is not None else F.linear(h, self.w2[i])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""

@@ -99,14 +99,20 @@ class RotaryEmbedding(torch.nn.Module):
         self.attention_factor = attention_factor
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Args: positions [T] int64. Returns (cos, sin), each [T, 1, D] in `dtype`."""
+        """Args: positions [T] int64. Returns (cos, signed sin), each [T, 1, D] in `dtype`; the
+        sine's first half is negated so that `apply_rotary` needs no negation of its own."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2] float32
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+        a = self.attention_factor
+        cos = torch.cat((freqs, freqs), dim=-1).cos_()
+        sin = torch.cat((-freqs, freqs), dim=-1).sin_()  # sin(-f) = -sin(f)
+        if a != 1.0:
+            cos.mul_(a)
+            sin.mul_(a)
+        return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Args: x [T, H, D]; cos, sin [T, 1, D]. Returns x rotated (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Args: x [T, H, D] (q and k heads together); cos, signed sin [T, 1, D] from `cos_sin`.
+    Returns x rotated (rotate-half convention) in three kernels:
+    `x * cos + roll(x, D/2) * sin`, where roll(x) = [x2, x1] and sin = [-sin, sin]."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin)

@@ -1,0 +1,204 @@
+"""Weight-only quantized linears: int8 per output channel, int4 per group, on torch's CPU kernels.
+
+Activations stay in the model dtype (bf16, or float32 in tests); only weights are stored
+narrow and widened inside the kernel:
+
+- int8: `w ~= q * scale[n]`, q int8 [N, K], one scale per output row (absmax / 127);
+  `torch.ops.aten._weight_int8pack_mm(x, q, scale)`.
+- int4: per group of `group_size` input columns, `w ~= (q - 8) * scale + zero` with q in
+  0..15 (asymmetric min/max: zero = min + 8 scale), q packed two per byte by
+  `_convert_weight_to_int4pack_for_cpu`; `_weight_int4pack_mm_for_cpu(x, packed, g, sz)`
+  with sz [K/g, N, 2] (scale, zero) in the activations' dtype.
+
+The int4 kernel needs N % 16 == 0 and K % group == 0; a smaller power-of-two group that
+divides K is used when the configured one does not (576 = 9 x 64: the demo model's group 128
+becomes 64 for its hidden-size inputs), and int8 when N is not a multiple of 16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZATIONS = ("none", "int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    mode: str = "none"  # one of QUANTIZATIONS
+    group_size: int = 32  # int4 only
+
+    def __post_init__(self) -> None:
+        if self.mode not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.mode!r}; choose from {', '.join(QUANTIZATIONS)}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, not {self.group_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def tag(self) -> str:
+        """Part of the weight fingerprint: '' for unquantized weights."""
+        return {"none": "", "int8": "int8", "int4": f"int4-g{self.group_size}"}[self.mode]
+
+
+NONE = QuantConfig()
+
+# Rows (tokens) from which an int8 product widens its weight and runs a float matmul instead.
+DEQUANTIZE_ROWS = 64
+
+# Row chunk for quantizing: bounds the float32 temporaries (the tied head is 49152 rows).
+_CHUNK_ROWS = 4096
+
+
+def int8_scales(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> the per-row absmax [N] float32 (the scale is absmax / 127)."""
+    return torch.cat([c.float().abs().amax(dim=1) for c in w.split(_CHUNK_ROWS)])
+
+
+def quantize_int8(
+    w: torch.Tensor, absmax: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q [N, K] int8, scale [N] float32, exact in `dtype`). `absmax` [N]: the
+    row maxima to scale by (the whole row's, when this rank holds only some of its columns).
+    The codes are rounded against the scale as the kernel will see it (rounded to `dtype`)."""
+    scale = ((int8_scales(w) if absmax is None else absmax).clamp(min=1e-12) / 127).to(dtype).float()
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    for i, c in enumerate(w.split(_CHUNK_ROWS)):
+        s = scale[i * _CHUNK_ROWS : i * _CHUNK_ROWS + c.shape[0], None]
+        q[i * _CHUNK_ROWS : i * _CHUNK_ROWS + c.shape[0]] = (c.float() / s).round_().clamp_(-128, 127)
+    return q, scale
+
+
+def int4_group(n: int, k: int, group_size: int) -> int | None:
+    """The group size int4 uses for an [n, k] weight, or None if the kernel cannot take it."""
+    if n % 16:
+        return None
+    g = group_size
+    while g >= 32 and k % g:
+        g //= 2
+    return g if g >= 32 else None
+
+
+def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (packed [N, K/2] uint8 in the kernel's layout, scale_zeros [K/g, N, 2]
+    float32, exact in `dtype`)."""
+    q, sz = int4_codes(w, group, dtype)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
+
+
+def int4_codes(w: torch.Tensor, group: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q [N, K] int32 in 0..15, scale_zeros [K/g, N, 2] float32).
+
+    Scale and zero are first rounded to `dtype` (the kernel takes them in the activations'
+    dtype), and the codes rounded against that grid: in bf16, rounding the zero after choosing
+    the codes shifts every weight of a group by up to 8 scale ulps."""
+    N, K = w.shape
+    q = torch.empty(N, K, dtype=torch.int32, device=w.device)
+    sz = torch.empty(K // group, N, 2, dtype=torch.float32, device=w.device)
+    for i, c in enumerate(w.split(_CHUNK_ROWS)):
+        rows = slice(i * _CHUNK_ROWS, i * _CHUNK_ROWS + c.shape[0])
+        g = c.float().view(c.shape[0], K // group, group)
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [n, K/g]
+        scale = ((hi - lo) / 15).clamp_(min=1e-12).to(dtype).float()
+        zero = (lo + 8 * scale).to(dtype).float()
+        codes = ((g - zero[..., None]) / scale[..., None] + 8).round_().clamp_(0, 15)
+        q[rows] = codes.view(c.shape[0], K).int()
+        sz[:, rows, 0] = scale.T
+        sz[:, rows, 1] = zero.T
+    return q, sz
+
+
+class QuantLinear(nn.Module):
+    """`y = x W^T (+ b)` with W int8 or int4; x [..., K] in `dtype` -> [..., N].
+
+    Parameters (no gradients) so weight-byte counts and `.to(device)` see them."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        config: QuantConfig,
+        dtype: torch.dtype,
+        absmax: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        N, K = weight.shape
+        self.in_features, self.out_features = K, N
+        group = int4_group(N, K, config.group_size) if config.mode == "int4" else None
+        if group is not None and absmax is None:
+            self.mode, self.group_size = "int4", group
+            packed, sz = quantize_int4(weight, group, dtype)
+            self.qweight = nn.Parameter(packed, requires_grad=False)
+            self.scales = nn.Parameter(sz.to(dtype), requires_grad=False)
+        else:  # int8, and int4's fallback for shapes its kernel cannot take
+            self.mode, self.group_size = "int8", 0
+            q, scale = quantize_int8(weight, absmax, dtype)
+            self.qweight = nn.Parameter(q, requires_grad=False)
+            self.scales = nn.Parameter(scale.to(dtype), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.mode == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales)
+        elif x2.shape[0] >= DEQUANTIZE_ROWS:
+            # Prefill-sized products: the int8 kernel is a matrix-vector design (~5x slower than a
+            # bf16 AMX matmul at 512 rows); widening the weight per call costs far less.
+            y = F.linear(x2, self.qweight.to(x2.dtype) * self.scales[:, None])
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        g = f", group={self.group_size}" if self.mode == "int4" else ""
+        return f"{self.in_features} -> {self.out_features}, {self.mode}{g}"
+
+
+class QuantEmbedding(nn.Module):
+    """The embedding table of a tied model read from its quantized LM head's rows: ids [T] ->
+    [T, hidden] in the head's dtype, dequantized exactly as the head's kernel does.
+
+    int8 shares the head's tensors; int4 keeps the same codes packed row-wise (two per byte,
+    low nibble first; the kernel's layout interleaves rows) and shares the head's scales."""
+
+    def __init__(self, head: QuantLinear, weight: torch.Tensor):
+        super().__init__()
+        self.head = [head]  # not a submodule: its parameters are counted once, as the head's
+        self.num_embeddings, self.embedding_dim = weight.shape
+        # A buffer, not a parameter: code that reads the model dtype off its first parameter
+        # must not find uint8 here.
+        rows = None
+        if head.mode == "int4":
+            q, _ = int4_codes(weight, head.group_size, head.scales.dtype)
+            rows = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+        self.rows: torch.Tensor | None
+        self.register_buffer("rows", rows, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        if self.rows is None:  # int8: q * scale
+            return head.qweight.index_select(0, ids).to(head.scales.dtype) * head.scales.index_select(0, ids)[:, None]
+        b = self.rows.index_select(0, ids)  # [T, K/2]
+        q = torch.stack((b & 15, b >> 4), dim=-1).view(ids.shape[0], -1).to(head.scales.dtype)  # [T, K]
+        sz = head.scales.index_select(1, ids).transpose(0, 1)  # [T, K/g, 2]
+        g = head.group_size
+        x = (q.view(ids.shape[0], -1, g) - 8) * sz[..., :1] + sz[..., 1:]
+        return x.view(ids.shape[0], -1)
+
+
+def dequantized(layer: QuantLinear) -> torch.Tensor:
+    """The weight a QuantLinear computes with, [N, K] float32 (for tests)."""
+    if layer.mode == "int8":
+        return layer.qweight.float() * layer.scales.float()[:, None]
+    eye = torch.eye(layer.in_features, dtype=layer.scales.dtype)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.qweight, layer.group_size, layer.scales).float().T
