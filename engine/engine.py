@@ -1,143 +1,39 @@
-"""The serving loop: requests in, streamed tokens out, many requests per forward pass.
+"""The serving loop's front: requests in, streamed tokens out, many requests per forward pass.
 
-`step()` is schedule -> run -> sample -> postprocess. `run_forever()` steps on its own
-thread; `add_request` and `abort` may be called from any thread or from async code: they
-post to an inbox the step thread drains between steps, so the loop owns all its state.
-
-A failure tied to one request (its grammar dead-ends or raises, its consumer's event loop
-has closed, its sampling or detokenizing raises) ends that request alone with
-`FinishReason.ERROR` and a message; the others go on. Only a fault of the forward pass
-fails the whole step, and then every request gets an error output: none is left hanging.
-`shutdown()` ends every open request with `FinishReason.ABORT`.
+`Engine` is an `EngineCore` (`engine/core.py`: the parts and the step) with its caller's side
+and its thread. `run_forever()` steps on its own thread; `add_request`, `generate` and `abort`
+may be called from any thread or from async code: they post to the core's inbox, drained
+between steps. `shutdown()` ends every open request with `FinishReason.ABORT`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import queue
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import cast
 
-import torch
-
-from engine.admission import Admission
-from engine.distributed.parallel import SINGLE, ParallelContext
+from engine.core import EngineCore
 from engine.engine_config import EngineConfig
-from engine.grammar import GrammarHook, Matcher
-from engine.kv_connector import KVConnector, NoConnector
-from engine.kv_tiers import build_tiers, kv_namespace, kv_stats
-from engine.loading.tokenizer import Tokenizer
-from engine.model.config import ModelConfig
-from engine.model.model import CausalLM
-from engine.model_runner import Chunk, ModelRunner
-from engine.output_processor import OutputProcessor
-from engine.prefill_rate import PrefillRate
+from engine.grammar import Matcher
 from engine.request import (
-    ConsumerGone,
     FinishReason,
     Request,
     RequestHandle,
-    RequestOutput,
 )
-from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, Scheduler
-from engine.snapshot import EngineSnapshot
-from engine.stats import EngineStats
-from kvstore.block_pool import BlockPool
 from kvstore.prefix import max_cached_pages, page_hashes
-from kvstore.tiers import TieredStore
+
+__all__ = ["Engine", "EngineConfig"]  # EngineConfig: its settings, imported from here too
 
 log = logging.getLogger("longctx.engine")
 
 
-class Engine:
-    def __init__(
-        self,
-        model: CausalLM,
-        tokenizer: Tokenizer | None,
-        config: EngineConfig | None = None,
-        *,
-        parallel: ParallelContext = SINGLE,
-        connector: KVConnector | None = None,
-        grammar_hook: GrammarHook | None = None,
-        fingerprint: str = "",
-        runner: ModelRunner | None = None,
-    ):
-        """Args:
-        fingerprint: digest of the weights (`LoadStats.fingerprint`); part of the KV namespace,
-            required by the Redis tier (pages are shared only between identical weights).
-        runner: runs the forward passes over its own KV cache (e.g. a `DistributedRunner` that
-            broadcasts each step to the other ranks); by default a `ModelRunner` sized by `config`.
-        """
-        self.model = model
-        self.model_config: ModelConfig = model.config
-        self.tokenizer = tokenizer
-        self.config = config = config or EngineConfig()
-        self.parallel = parallel
-        if parallel.sharded and (connector is not None or config.host_cache_bytes or config.kv_redis_url):
-            raise ValueError("the host and Redis KV tiers do not support tensor parallelism yet")
-        self.grammar_hook = grammar_hook or GrammarHook()
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        if runner is None:
-            runner = ModelRunner.for_model(model, config.page_size, config.kv_cache_bytes, config.attention_backend)
-        self.runner = runner
-        self.kv_cache = runner.kv_cache
-        self.kv_spec = runner.kv_cache.spec  # this rank's heads
-        self.namespace = kv_namespace(model, self.kv_spec, config.kv_dtype, fingerprint, parallel)
-        self.store: TieredStore | None = None
-        if connector is None and (config.host_cache_bytes or config.kv_redis_url):
-            connector = self.store = build_tiers(
-                self.kv_cache, self.namespace, config.host_cache_bytes, config.kv_redis_url, config.kv_redis_ttl,
-                config.kv_redis_prefix, config.kv_redis_max_pending_bytes,
-            )  # fmt: skip
-        self.connector: KVConnector = connector or NoConnector()
-        self.pool = BlockPool(self.kv_cache.num_pages, on_evict=self.connector.evict)
-        self.prefill_rate = PrefillRate()  # what recomputing costs, against a tier lookup's wait
-        self.scheduler = Scheduler(
-            self.pool,
-            self.kv_spec.page_size,
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-            namespace=self.namespace if config.enable_prefix_caching else None,
-            connector=self.connector,
-            lookup_timeout_s=config.kv_lookup_timeout_s,
-            max_prefill_tokens_per_request=config.max_prefill_tokens_per_request,
-            recompute_s=self.prefill_rate.seconds,
-        )
-        self.sampler = Sampler()
-        self.stats = EngineStats()
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else self.model_config.eos_token_ids)
-        self.output_processor = OutputProcessor(self.sampler, self.grammar_hook, self.eos_token_ids, self.stats)
-        self._requests: dict[str, Request] = {}
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
-        self.admission = Admission(
-            config.max_queued, self.max_model_len, self.capacity_tokens, self.model_config.vocab_size,
-            tokenizer is not None,
-        )  # fmt: skip
-        self._snapshot = EngineSnapshot(free_pages=self.pool.num_free, total_pages=self.pool.num_pages)
-        log.info(
-            "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %s); backend %s",
-            self.kv_cache.num_pages, self.kv_spec.page_size, self.capacity_tokens, self.kv_cache.num_bytes / 1e6,
-            self.kv_spec.dtype, runner.backend.name,
-        )  # fmt: skip
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.kv_cache.num_pages * self.kv_spec.page_size
-
+class Engine(EngineCore):
     # ---- the caller's side (any thread) ----
 
     def add_request(
@@ -191,136 +87,6 @@ class Engine:
 
     # ---- the loop (engine thread) ----
 
-    def step(self) -> bool:
-        """One step: schedule -> run -> sample -> postprocess. Returns False when idle."""
-        self._drain_inbox()
-        chunks = self.scheduler.schedule()
-        self.admission.started(c.request for c in chunks)
-        self.stats.preemptions = self.scheduler.num_preemptions
-        if not chunks:
-            self._publish()
-            return False
-        self._note_scheduled(chunks)
-        try:
-            logits = self._run(chunks)
-        except Exception as e:  # a fault of the model itself: nothing of this step can be trusted
-            log.exception("forward pass failed")
-            self._fail_all(f"engine error in the forward pass: {e}")
-            self._publish()
-            return True
-        self.scheduler.computed([c.request for c in chunks])
-        rows = [i for i, c in enumerate(chunks) if c.sample]
-        reqs = [chunks[i].request for i in rows]
-        outs = self.output_processor(reqs, logits[rows]) if rows else []
-        for r, out in zip(reqs, outs, strict=True):
-            if out.finish_reason is not None:
-                self._finish(r, out.finish_reason)
-        self.stats.steps += 1
-        self._publish()  # before the outputs: a consumer that sees its final output sees it counted
-        self._push(reqs, outs)
-        return True
-
-    def _note_scheduled(self, chunks: list[ScheduledChunk]) -> None:
-        now = time.monotonic()
-        for c in chunks:
-            r = c.request
-            if r.first_scheduled_time is None:
-                r.first_scheduled_time = now
-                self.stats.queue_time.observe(now - r.arrival)
-
-    def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        batch = []
-        for c in chunks:
-            r = c.request
-            end = r.num_computed + c.num_tokens
-            batch.append(Chunk(r.tokens(r.num_computed, end), r.pages, end))
-            if r.num_computed < len(r.prompt_ids):
-                self.stats.prompt_tokens_computed += min(end, len(r.prompt_ids)) - r.num_computed
-        t0 = time.perf_counter()
-        logits = self.runner.run(batch)  # [B, V]
-        if any(c.num_tokens > 1 for c in chunks):
-            self.prefill_rate.observe(sum(c.num_tokens for c in chunks), time.perf_counter() - t0)
-        for c in chunks:
-            c.request.num_computed += c.num_tokens
-        return logits
-
-    def _push(self, reqs: list[Request], outs: list[RequestOutput]) -> None:
-        """Hand each request its output; a request whose consumer is gone ends with an error."""
-        gone = False
-        for r, out in zip(reqs, outs, strict=True):
-            try:
-                r.handle.push(out)
-            except ConsumerGone as e:
-                self._fail(r, str(e))
-                gone = True
-        if gone:
-            self._publish()
-
-    def _finish(self, r: Request, reason: FinishReason) -> None:
-        if r.finished:
-            return
-        r.finished = True
-        self.admission.started([r])
-        self._requests.pop(r.id, None)
-        self.stats.count_finished(reason.value)
-        self.stats.e2e.observe(time.monotonic() - r.arrival)
-        self.scheduler.finish(r)
-
-    def _end(self, r: Request, reason: FinishReason, error: str | None = None) -> None:
-        """Finish a request with a final output carrying no token."""
-        self._finish(r, reason)
-        self._push_final(r, reason, error)
-
-    def _fail(self, r: Request, error: str) -> None:
-        log.warning("request %s failed: %s", r.id, error)
-        self._end(r, FinishReason.ERROR, error)
-
-    def _fail_all(self, error: str) -> None:
-        for req in list(self._requests.values()):
-            self._end(req, FinishReason.ERROR, error)
-
-    @staticmethod
-    def _push_final(r: Request, reason: FinishReason, error: str | None = None) -> None:
-        out = RequestOutput(r.id, [], "", None, reason, len(r.prompt_ids), r.cached_tokens, error)
-        with contextlib.suppress(ConsumerGone):  # queued all the same; nobody is left to wake
-            r.handle.push(out)
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                assert isinstance(item, Request)
-                self.admission.track(item)
-                if item.id in self._requests:
-                    self.admission.started([item])
-                    self._push_final(item, FinishReason.ERROR, f"request id {item.id!r} already in use")
-                    continue
-                self._requests[item.id] = item
-                self.scheduler.add(item)
-            elif kind == "abort":
-                req = self._requests.get(str(item))
-                if req is not None:
-                    self._end(req, FinishReason.ABORT)
-            elif kind == "query":  # from cached_prefix_tokens on another thread
-                hashes, answer = cast("tuple[list[bytes], Future[int]]", item)
-                answer.set_result(self._on_device(hashes))
-
-    def _publish(self) -> None:
-        s, st = self.scheduler, self.stats
-        self._snapshot = EngineSnapshot(
-            len(s.running), len(s.waiting), len(s.loading), self.admission.queued, self.pool.num_free,
-            self.pool.num_pages,
-            s.num_preemptions, st.prompt_tokens_computed, st.generated_tokens, st.finished, st.steps,
-        )  # fmt: skip
-
-    def snapshot(self) -> EngineSnapshot:
-        """The load as of the last step (any thread): an immutable copy the engine thread replaces
-        after each step, so no caller reads the scheduler's lists while they change."""
-        return self._snapshot
-
     def cached_prefix_tokens(self, prompt_token_ids: list[int], cache_salt: str = "", timeout_s: float = 5.0) -> int:
         """How many leading tokens of this prompt would be served from the device pool, the host
         tier or Redis rather than computed, without submitting it (an estimate: pages can come
@@ -351,29 +117,7 @@ class Engine:
         below = contains(hashes[on_device:]) if contains is not None and on_device < len(hashes) else 0
         return (on_device + below) * ps
 
-    def _on_device(self, hashes: list[bytes]) -> int:
-        n = 0
-        while n < len(hashes) and hashes[n] in self.pool.cached:
-            n += 1
-        return n
-
-    def has_unfinished(self) -> bool:
-        return bool(self._requests) or not self._inbox.empty()
-
-    def run_until_idle(self) -> None:
-        """Step on the calling thread until every request has finished."""
-        while self.has_unfinished():
-            try:
-                busy = self.step()
-            except Exception as e:
-                self._fail_all(f"engine error: {e}")
-                raise
-            if not busy and self.scheduler.loading:
-                time.sleep(0.001)  # a request waits for KV pages from the host or Redis tier
-
-    def kv_stats(self) -> dict[str, dict[str, int]]:
-        """Counters of the prefix cache and the KV tiers."""
-        return kv_stats(self.pool, self.scheduler, self.store)
+    # ---- the thread ----
 
     def run_forever(self) -> None:
         """The engine thread's loop: step while there is work, sleep until woken otherwise."""
