@@ -55,10 +55,6 @@ def _reference(ctx: DoctorContext, st: StageResult) -> None:
         st.note(f"baseline saved to {ctx.options.save_baseline}")
 
 
-def _quantization(_ctx: DoctorContext, st: StageResult) -> None:
-    st.skip("not available in this build (no --quantization support in the loader yet)")
-
-
 def run_stages(
     loaded: LoadedModel,
     options: DoctorOptions,
@@ -78,6 +74,7 @@ def run_stages(
     from api.doctor.generation_stage import generation_stage
     from api.doctor.length_stage import length_stage
     from api.doctor.parallel_stage import parallel_stage
+    from api.doctor.quantization_stage import quantization_stage
 
     report = report or Report(loaded.source.name)
     ctx = DoctorContext(loaded, options, reference_model)
@@ -87,7 +84,7 @@ def run_stages(
         "generation": generation_stage,
         "length": length_stage,
         "parallel": parallel_stage,
-        "quantization": _quantization,
+        "quantization": quantization_stage,
     }
     for name, fn in stages.items():
         if name in options.stages:
