@@ -34,6 +34,7 @@ from sessions.models import now
 from sessions.output import OutputAssembler
 from sessions.prompt_fit import PromptFitter
 from sessions.reasoning import ReasoningSplitter, opens_in_reasoning, uses_reasoning
+from sessions.recovery import settle
 from sessions.requests import CreateResponseBody, InvalidParam, ResponseRequest, decode_request
 from sessions.store import SessionStore
 from sessions.turn import Turn, TurnPlan
@@ -96,6 +97,8 @@ class SessionService:
             if req.background:
                 return await self._enqueue(plan, undo, req.stream)
             turn = Turn(self.engine, self.store, plan, plan.assembler.writer, self.config.lease_renew_s)
+            if plan.store and plan.conversation_id is not None:  # retrievable while it runs (`sessions.recovery`)
+                await self.store.responses.save(tenant, plan.response)
             turn.submit()
         except BaseException:
             await undo.run()
@@ -243,8 +246,9 @@ class SessionService:
     # ---- other response operations ----
 
     async def retrieve(self, tenant: str, resp_id: str) -> Any:
-        """The stored response (NotFound if none)."""
-        return await self.store.responses.get(tenant, resp_id)
+        """The stored response (NotFound if none); `failed` if its server died (`sessions.recovery`)."""
+        response = await self.store.responses.get(tenant, resp_id)
+        return await settle(self.store, tenant, response, resp_id in self.running)
 
     async def compact(self, tenant: str, request: bytes | dict[str, Any]) -> dict[str, Any]:
         """`POST /v1/responses/compact` (`sessions.prompt_fit.PromptFitter.compact`); writes nothing."""
