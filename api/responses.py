@@ -6,6 +6,7 @@ startup: the store on the server's Redis client, the service, the background wor
     POST   /v1/responses/{id}/cancel       cancel a background response
     DELETE /v1/responses/{id}              delete
     GET    /v1/responses/{id}/input_items  its input items (after, limit, order)
+    POST   /v1/responses/compact           a context as a compaction item and the kept items
 
 One tenant until API keys come (`TENANT`).
 """
@@ -54,6 +55,11 @@ async def create_response(request: Request[Any, Any, Any]) -> Any:
     return result
 
 
+@post("/responses/compact", status_code=200)
+async def compact_response(request: Request[Any, Any, Any]) -> Any:
+    return await service(request).compact(TENANT, await request.body())
+
+
 @get("/responses/{resp_id:str}")
 async def retrieve_response(
     request: Request[Any, Any, Any], resp_id: str, stream: bool = False, starting_after: int | None = None
@@ -84,7 +90,14 @@ async def input_items(
 
 router = Router(
     path="/v1",
-    route_handlers=[create_response, retrieve_response, cancel_response, delete_response, input_items],
+    route_handlers=[
+        create_response,
+        compact_response,
+        retrieve_response,
+        cancel_response,
+        delete_response,
+        input_items,
+    ],
     guards=[ready_guard],
 )
 

@@ -26,14 +26,15 @@ from engine.sampling_params import SamplingParams
 from sessions.config import ServiceConfig
 from sessions.context import load_context
 from sessions.conversation_api import ConversationAPI, check_page
-from sessions.errors import Conflict, ContextLengthExceeded, NotFound, RequestInProgress
+from sessions.errors import Conflict, ContextLengthExceeded, NotFound, RequestInProgress, StoreError
 from sessions.event_stream import EventStream, replay, stored_events
 from sessions.events import Event, EventWriter
 from sessions.ids import new_id
 from sessions.models import now
 from sessions.output import OutputAssembler
+from sessions.prompt_fit import PromptFitter
 from sessions.reasoning import ReasoningSplitter, opens_in_reasoning, uses_reasoning
-from sessions.render import build_prompt, render_text, to_messages
+from sessions.recovery import settle
 from sessions.requests import CreateResponseBody, InvalidParam, ResponseRequest, decode_request
 from sessions.store import SessionStore
 from sessions.turn import Turn, TurnPlan
@@ -70,6 +71,7 @@ class SessionService:
         self.keep_special = needs_special_tokens(tool_format, tokenizer)
         self.running: dict[str, Turn] = {}
         self.conversations = ConversationAPI(store)
+        self.fitter = PromptFitter(engine, store, tokenizer)
 
     # ---- create ----
 
@@ -95,6 +97,8 @@ class SessionService:
             if req.background:
                 return await self._enqueue(plan, undo, req.stream)
             turn = Turn(self.engine, self.store, plan, plan.assembler.writer, self.config.lease_renew_s)
+            if plan.store and plan.conversation_id is not None:  # retrievable while it runs (`sessions.recovery`)
+                await self.store.responses.save(tenant, plan.response)
             turn.submit()
         except BaseException:
             await undo.run()
@@ -120,13 +124,12 @@ class SessionService:
             fence = await self.store.conversations.acquire_lease(tenant, req.conversation_id, resp_id)
             undo.lease = (req.conversation_id, resp_id, fence)
         ctx = await load_context(self.store, tenant, req)
-        messages = to_messages([*ctx.history, *req.input_items], req.body.instructions)
-
-        def render() -> Any:
-            text = render_text(self.tokenizer, messages, specs, thinking=req.thinking)
-            return build_prompt(self.tokenizer, text, ctx.previous_ids)
-
-        prompt = await asyncio.to_thread(render)
+        keep = asyncio.create_task(self._keep_lease(undo.lease)) if undo.lease is not None else None
+        try:  # a summary request can outlast the lease
+            prompt, compaction = await self.fitter.fit(tenant, resp_id, req, ctx, specs)
+        finally:
+            if keep is not None:
+                keep.cancel()
         max_tokens = self._max_tokens(len(prompt.ids), req.body.max_output_tokens)
         response = req.response(self.config.model, max_tokens)
         response.id = resp_id
@@ -135,10 +138,21 @@ class SessionService:
         writer = EventWriter()
         parser = ToolCallParser(self.tool_format, specs) if specs and req.tool_choice != "none" else None
         splitter = ReasoningSplitter(self.reasoning, self.reasoning and opens_in_reasoning(prompt.text))
+        assembler = OutputAssembler(writer, parser, splitter)
+        if compaction is not None:  # the first output item; `Turn.run` emits its events
+            assembler.items.append(compaction)
         return TurnPlan(
             tenant, response, req.input_items, prompt.ids, params, grammar and self.compiler.matcher(grammar),
-            OutputAssembler(writer, parser, splitter), req.store, req.conversation_id, fence, ctx.base_version,
+            assembler, req.store, req.conversation_id, fence, ctx.base_version,
         )  # fmt: skip
+
+    async def _keep_lease(self, lease: tuple[str, str, int]) -> None:
+        while True:
+            await asyncio.sleep(self.config.lease_renew_s)
+            try:
+                await self.store.conversations.renew_lease(*lease)
+            except StoreError as e:  # LeaseLost shows at the commit
+                log.warning("lease renewal of %s failed: %s", lease[0], e)
 
     async def _start(self, turn: Turn, stream: bool) -> Any:
         """The turn runs as its own task, so that a caller who leaves (a cancelled request, a closed
@@ -232,8 +246,16 @@ class SessionService:
     # ---- other response operations ----
 
     async def retrieve(self, tenant: str, resp_id: str) -> Any:
-        """The stored response (NotFound if none)."""
-        return await self.store.responses.get(tenant, resp_id)
+        """The stored response (NotFound if none); `failed` if its server died (`sessions.recovery`)."""
+        response = await self.store.responses.get(tenant, resp_id)
+        return await settle(self.store, tenant, response, resp_id in self.running)
+
+    async def compact(self, tenant: str, request: bytes | dict[str, Any]) -> dict[str, Any]:
+        """`POST /v1/responses/compact` (`sessions.prompt_fit.PromptFitter.compact`); writes nothing."""
+        req = decode_request(request)
+        if not req.body.model:
+            raise InvalidParam("model", "model is required")
+        return await self.fitter.compact(tenant, req, await load_context(self.store, tenant, req))
 
     async def delete(self, tenant: str, resp_id: str) -> dict[str, Any]:
         await self.store.responses.delete(tenant, resp_id)

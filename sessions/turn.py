@@ -107,6 +107,9 @@ class Turn:
             handle.abort()
         await self.writer.snapshot("response.created", p.response)
         await self.writer.snapshot("response.in_progress", p.response)
+        for i, item in enumerate(p.assembler.items):  # made before generation (a compaction item)
+            await self.writer.item_added(i, item)
+            await self.writer.item_done(i, item)
         renew = asyncio.create_task(self._renew()) if p.fence is not None else None
         output_ids: list[int] = []
         reasoning_tokens = cached = 0

@@ -1,0 +1,127 @@
+"""A server killed (SIGKILL) in the middle of a foreground turn: on a new server on the same Redis,
+the response reads `failed` once the conversation's lease expired, and the conversation's
+items are as before. Its own server processes (demo model, float32, shared test Redis)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import openai
+
+from tests.redis_server import delete_prefix, shared_redis, unique_prefix
+from tests.server import start_server
+
+ARGS = ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "64MiB", "--background-workers", "0")
+LEASE_S = 30
+
+
+def test_foreground_turn_of_a_killed_server_is_failed(demo_gguf: Path, tmp_path: Path) -> None:
+    prefix = unique_prefix()
+    with shared_redis() as (url, _):
+        first = start_server(demo_gguf, "--redis-url", url, *ARGS, log=tmp_path / "a.log", prefix=prefix)
+        second = None
+        try:
+            client = openai.OpenAI(base_url=first.url + "/v1", api_key="x", max_retries=0, timeout=120)
+            conv = client.conversations.create(items=[{"role": "user", "content": "Hello"}])
+            before = [i.id for i in client.conversations.items.list(conv.id).data]
+            seen: list[str] = []
+            started = threading.Event()
+
+            def stream() -> None:
+                try:
+                    with client.responses.stream(model="demo", conversation=conv.id, input="Tell me a long story.",
+                                                 temperature=0, max_output_tokens=400) as events:  # fmt: skip
+                        for event in events:
+                            if event.type == "response.created":
+                                seen.append(event.response.id)
+                            if event.type == "response.output_text.delta":
+                                started.set()
+                except Exception:  # the server is killed under it
+                    started.set()
+
+            reader = threading.Thread(target=stream, daemon=True)
+            reader.start()
+            assert started.wait(120) and seen
+            first.proc.send_signal(signal.SIGKILL)
+            first.proc.wait()
+            reader.join(30)
+            second = start_server(demo_gguf, "--redis-url", url, *ARGS, log=tmp_path / "b.log", prefix=prefix)
+            client = openai.OpenAI(base_url=second.url + "/v1", api_key="x", max_retries=0, timeout=120)
+            deadline = time.monotonic() + LEASE_S + 30
+            status = client.responses.retrieve(seen[0]).status
+            while status == "in_progress" and time.monotonic() < deadline:
+                time.sleep(2)
+                status = client.responses.retrieve(seen[0]).status
+            assert status == "failed"
+            response = client.responses.retrieve(seen[0])
+            assert response.error is not None and "stopped" in response.error.message
+            assert [i.id for i in client.conversations.items.list(conv.id).data] == before
+            assert client.responses.create(model="demo", conversation=conv.id, input="Hi", max_output_tokens=4).id
+        finally:
+            for server in (first, second):
+                if server is not None and server.proc.poll() is None:
+                    server.stop()
+            delete_prefix(url, prefix)
+
+
+def kv_pages(url: str, prefix: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return sum(1 for _ in client.scan_iter(f"{prefix}:kv:*", count=1000))
+    finally:
+        client.close()
+
+
+def test_background_and_kv_pages_survive_a_killed_server(demo_gguf: Path, tmp_path: Path) -> None:
+    """A background response is finished by the next server and its events resume after N; the
+    next turn of a ~3k-token conversation finds its KV pages in Redis (the state Redis here)."""
+    args = ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "1")
+    prefix = unique_prefix()
+    long_text = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(160))
+    with shared_redis() as (url, _):
+        first = start_server(demo_gguf, "--redis-url", url, *args, log=tmp_path / "a.log", prefix=prefix)
+        second = None
+        try:
+            client = openai.OpenAI(base_url=first.url + "/v1", api_key="x", max_retries=0, timeout=300)
+            conv = client.conversations.create(items=[])
+            turn = client.responses.create(model="demo", conversation=conv.id, input=long_text + "\nThanks.",
+                                           temperature=0, max_output_tokens=4)  # fmt: skip
+            assert turn.usage is not None and turn.usage.input_tokens >= 2500
+            job = client.responses.create(model="demo", input="Tell me a long story about bees.", background=True,
+                                          temperature=0, max_output_tokens=120)  # fmt: skip
+            seen = []
+            for event in client.responses.retrieve(job.id, stream=True):
+                seen.append(event.sequence_number)
+                if len(seen) >= 6:
+                    break
+            pages, stable_since = -1, time.monotonic()
+            while time.monotonic() - stable_since < 3:  # until the pages written stop growing
+                now_pages = kv_pages(url, prefix)
+                if now_pages != pages:
+                    pages, stable_since = now_pages, time.monotonic()
+                time.sleep(0.5)
+            assert pages > 0
+            first.proc.send_signal(signal.SIGKILL)
+            first.proc.wait()
+            second = start_server(demo_gguf, "--redis-url", url, *args, log=tmp_path / "b.log", prefix=prefix)
+            client = openai.OpenAI(base_url=second.url + "/v1", api_key="x", max_retries=0, timeout=300)
+            nxt = client.responses.create(model="demo", conversation=conv.id, input="How much did hive 3 give?",
+                                          temperature=0, max_output_tokens=4)  # fmt: skip
+            assert nxt.usage is not None
+            assert nxt.usage.input_tokens_details.cached_tokens >= 0.8 * nxt.usage.input_tokens
+            after = seen[-1]
+            resumed = list(client.responses.retrieve(job.id, stream=True, starting_after=after))
+            assert resumed and resumed[0].sequence_number == after + 1
+            assert resumed[-1].type in ("response.completed", "response.incomplete")
+            final = client.responses.retrieve(job.id)
+            assert final.status in ("completed", "incomplete") and final.output_text
+        finally:
+            for server in (first, second):
+                if server is not None and server.proc.poll() is None:
+                    server.stop()
+            delete_prefix(url, prefix)
