@@ -115,10 +115,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from api import conversations, responses
+    from api import chat, conversations, responses
     from api.serve import run
 
-    return run(args, routes=[responses.router, conversations.router], setup=responses.setup)
+    return run(args, routes=[responses.router, conversations.router, chat.router], setup=responses.setup)
 
 
 def _models(args: argparse.Namespace) -> int:
