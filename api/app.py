@@ -25,6 +25,7 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.types import ControllerRouterHandler
 
+from api.auth import auth_guard
 from api.errors import error_body, handle_exception
 from api.state import ServerState
 
@@ -84,6 +85,7 @@ def create_app(
     routes: Sequence[ControllerRouterHandler] = (),
     start: Callable[[ServerState], Coroutine[Any, Any, None]] | None = None,
     debug: bool = False,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> Litestar:
     """The app serving `state`.
 
@@ -92,6 +94,7 @@ def create_app(
         routes: route handlers, routers or controllers of the API.
         start: the startup phases, run as a task once the lifespan begins (None: nothing to start).
         debug: Litestar's debug mode (tracebacks in logs).
+        max_body_bytes: the largest request body (over: 413).
     """
 
     @contextlib.asynccontextmanager
@@ -110,9 +113,10 @@ def create_app(
 
     app = Litestar(
         route_handlers=[health, ready, *routes],
+        guards=[auth_guard],  # /v1 only: the request's tenant, or 401
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],
-        request_max_body_size=MAX_BODY_BYTES,
+        request_max_body_size=max_body_bytes,
         debug=debug,
         openapi_config=OpenAPIConfig(title="longctx", version="0.1.0"),
         logging_config=None,  # the CLI configures logging; Litestar would replace it

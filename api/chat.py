@@ -25,9 +25,11 @@ from litestar import Request, Router, get, post
 from litestar.response import Stream
 
 from api.app import ready_guard
+from api.auth import tenant as request_tenant
 from api.chat_reply import ChatReply, token_logprobs
 from api.errors import ErrorSpec, register
-from api.responses import TENANT, service
+from api.limits import TenantQueue, tenant_queue
+from api.responses import service
 from api.sse import HEADERS
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
@@ -211,16 +213,30 @@ def _usage(prompt: int, cached: int, output: int, reasoning: int) -> dict[str, A
     }  # fmt: skip
 
 
-async def run(svc: SessionService, p: ChatPlan, tenant: str) -> AsyncGenerator[dict[str, Any], None]:
-    """The reply as chunk bodies; the last one has `finish_reason` (and `usage`, `message`, logprobs)."""
+async def run(
+    svc: SessionService, p: ChatPlan, tenant: str, queue: TenantQueue | None = None
+) -> AsyncGenerator[dict[str, Any], None]:
+    """The reply as chunk bodies; the last one has `finish_reason` (and `usage`, `message`, logprobs).
+    The request counts as the tenant's waiting one in `queue` until its first output."""
     matcher = svc.compiler.matcher(p.grammar) if p.grammar is not None else None
-    handle = svc.engine.add_request(p.prompt_ids, p.params, request_id=p.id, cache_salt=tenant, matcher=matcher)
+    waiting = queue is not None
+    if queue is not None:
+        queue.enter(tenant)
+    try:
+        handle = svc.engine.add_request(p.prompt_ids, p.params, request_id=p.id, cache_salt=tenant, matcher=matcher)
+    except BaseException:
+        if queue is not None:
+            queue.leave(tenant)
+        raise
     output = cached = reasoning = 0
     reason: FinishReason | None = None
     error: str | None = None
     logprobs: list[dict[str, Any]] = []
     try:
         async for out in handle:
+            if waiting and queue is not None:
+                waiting = False
+                queue.leave(tenant)
             if p.reply.in_reasoning:
                 reasoning += len(out.token_ids)
             output += len(out.token_ids)
@@ -236,6 +252,8 @@ async def run(svc: SessionService, p: ChatPlan, tenant: str) -> AsyncGenerator[d
             if lps and not deltas:
                 yield {"delta": {}, "logprobs": lps}
     finally:
+        if waiting and queue is not None:
+            queue.leave(tenant)
         if reason is None:  # the client left, or the task was cancelled: stop the engine too
             handle.abort()
     if reason == FinishReason.ERROR:
@@ -251,11 +269,13 @@ def _chunk(p: ChatPlan, model: str, created: int, choices: list[dict[str, Any]],
     return b"data: " + _encoder.encode(body | extra) + b"\n\n"
 
 
-async def stream_chunks(svc: SessionService, p: ChatPlan, tenant: str) -> AsyncIterator[bytes]:
+async def stream_chunks(
+    svc: SessionService, p: ChatPlan, tenant: str, queue: TenantQueue | None
+) -> AsyncIterator[bytes]:
     model, created = svc.config.model, int(time.time())
     first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     yield _chunk(p, model, created, [first])
-    gen = run(svc, p, tenant)
+    gen = run(svc, p, tenant, queue)
     try:
         async for part in gen:
             if "finish_reason" in part:
@@ -284,12 +304,13 @@ async def chat_completions(request: Request[Any, Any, Any]) -> Any:
         raise InvalidParam("body", f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise InvalidParam("body", "expected a JSON object")
-    tenant = getattr(request.state, "tenant", TENANT)
+    tenant = request_tenant(request)
     p = await plan(svc, body)
+    queue = tenant_queue(request.app.state.server)
     if p.stream:
-        return Stream(stream_chunks(svc, p, tenant), media_type="text/event-stream", headers=HEADERS)
+        return Stream(stream_chunks(svc, p, tenant, queue), media_type="text/event-stream", headers=HEADERS)
     final: dict[str, Any] = {}
-    async for part in run(svc, p, tenant):
+    async for part in run(svc, p, tenant, queue):
         final = part
     choice = {
         "index": 0, "message": final["message"], "finish_reason": final["finish_reason"],

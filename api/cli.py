@@ -34,6 +34,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tool-call-format", default="auto", help="auto (from the chat template), hermes, llama3 or mistral"
     )
+    p.add_argument("--max-body-bytes", type=parse_bytes, default=8 << 20, help="largest request body (over: 413)")
+    p.add_argument(
+        "--max-queued-per-tenant", type=int, default=None, help="waiting requests per tenant (default: --max-queued/2)"
+    )
+    p.add_argument(
+        "--api-keys-file", type=Path, default=None, help="'KEY TENANT' per line (default: no auth, loopback)"
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:

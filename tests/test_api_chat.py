@@ -1,7 +1,9 @@
 """Chat Completions and Models over HTTP with the official `openai` client: `longctx serve` on the
 demo model (float32) and the shared test Redis. Text streamed and not, `parse` with a Pydantic
 model, tools with streamed `delta.tool_calls` adding up, a tool round trip, logprobs, a seed, stop,
-usage with cached tokens, the models list, and 4xx errors for what is not supported."""
+usage with cached tokens, the models list, and 4xx errors for what is not supported. The server
+runs with `--api-keys-file` and two tenants: B never sees A's conversations, responses or cached
+prompt pages; no key or a wrong one is 401."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel
@@ -29,16 +32,25 @@ WEATHER: Any = {
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+KEYS = "# key tenant\nkey-a  tenant-a\nkey-b tenant-b  # the second tenant\n"
+
+
 @pytest.fixture(scope="module")
 def server(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("logs") / "serve.log"
-    with shared_redis() as (url, _), running_server(demo_gguf, *ARGS, log=log, redis_url=url) as s:
+    tmp = tmp_path_factory.mktemp("chat")
+    (tmp / "keys").write_text(KEYS)
+    args = (*ARGS, "--api-keys-file", str(tmp / "keys"))
+    with shared_redis() as (url, _), running_server(demo_gguf, *args, log=tmp / "serve.log", redis_url=url) as s:
         yield s
+
+
+def _client(server: Server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    return _client(server, "key-a")
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +174,29 @@ def test_bad_input(client: openai.OpenAI, model: str, extra: dict[str, Any], sta
     if param is not None:
         assert str(err.get("param", "")).startswith(param), err
     assert client.models.list().data  # still serving
+
+
+def test_tenants(server: Server, client: openai.OpenAI, model: str) -> None:
+    other = _client(server, "key-b")
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "Hi"}])
+    resp = client.responses.create(model=model, input="Hello", max_output_tokens=2, temperature=0)
+    for call in (
+        lambda: other.conversations.retrieve(conv.id),
+        lambda: other.conversations.items.list(conv.id),
+        lambda: other.responses.retrieve(resp.id),
+        lambda: other.responses.input_items.list(resp.id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert client.conversations.retrieve(conv.id).id == conv.id
+    ask: Any = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
+    for _ in range(2):
+        a = client.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=2)
+    b = other.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=2)
+    assert a.usage is not None and a.usage.prompt_tokens_details is not None
+    assert b.usage is not None and b.usage.prompt_tokens_details is not None
+    assert a.usage.prompt_tokens_details.cached_tokens > 0 and b.usage.prompt_tokens_details.cached_tokens == 0
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, "wrong").models.list()
+    bare = httpx.get(server.url + "/v1/models", timeout=10)
+    assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
