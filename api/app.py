@@ -27,6 +27,7 @@ from litestar.types import ControllerRouterHandler
 
 from api.auth import auth_guard
 from api.errors import error_body, handle_exception
+from api.metrics import http_metrics, metrics
 from api.state import ServerState
 
 log = logging.getLogger("longctx.serve")
@@ -54,6 +55,10 @@ def health() -> dict[str, str]:
 def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Readiness: 200 once the model is loaded and warmed up; 503 with the phase before and while stopping."""
     state = server_state(request)
+    engine = state.engine
+    if state.ready and engine is not None and not engine.alive:  # the engine thread died
+        dead = {"phase": "engine_stopped"} | error_body("the engine thread is not running", "server_error")
+        return Response(dead, status_code=503)
     if state.ready and not state.draining:
         return Response({"status": "ready", "phase": state.phase, "phase_seconds": state.phase_seconds})
     body: dict[str, Any] = {"phase": state.phase}
@@ -112,7 +117,8 @@ def create_app(
             await shutdown(state)
 
     app = Litestar(
-        route_handlers=[health, ready, *routes],
+        route_handlers=[health, ready, metrics, *routes],
+        middleware=[http_metrics],
         guards=[auth_guard],  # /v1 only: the request's tenant, or 401
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],

@@ -29,9 +29,10 @@ from api.auth import tenant as request_tenant
 from api.chat_reply import ChatReply, token_logprobs
 from api.errors import ErrorSpec, register
 from api.limits import TenantQueue, tenant_queue
+from api.metrics import METRICS
 from api.responses import service
 from api.sse import HEADERS
-from engine.request import FinishReason
+from engine.request import FinishReason, RequestHandle
 from engine.sampling_params import SamplingParams
 from sessions.errors import ContextLengthExceeded, InvalidParam
 from sessions.ids import new_id
@@ -116,6 +117,7 @@ class ChatPlan:
     stream: bool
     include_usage: bool
     top_logprobs: int | None
+    started: float = 0.0  # perf_counter at the HTTP request's start (time to first token)
 
 
 async def plan(svc: SessionService, body: dict[str, Any]) -> ChatPlan:
@@ -213,22 +215,27 @@ def _usage(prompt: int, cached: int, output: int, reasoning: int) -> dict[str, A
     }  # fmt: skip
 
 
-async def run(
-    svc: SessionService, p: ChatPlan, tenant: str, queue: TenantQueue | None = None
-) -> AsyncGenerator[dict[str, Any], None]:
-    """The reply as chunk bodies; the last one has `finish_reason` (and `usage`, `message`, logprobs).
-    The request counts as the tenant's waiting one in `queue` until its first output."""
+def submit(svc: SessionService, p: ChatPlan, tenant: str, queue: TenantQueue | None) -> RequestHandle:
+    """Add the engine request before any byte is sent, so that refusals (429, 400) are plain errors.
+    It counts as the tenant's waiting one in `queue` until `run` sees its first output."""
     matcher = svc.compiler.matcher(p.grammar) if p.grammar is not None else None
-    waiting = queue is not None
     if queue is not None:
         queue.enter(tenant)
     try:
-        handle = svc.engine.add_request(p.prompt_ids, p.params, request_id=p.id, cache_salt=tenant, matcher=matcher)
+        return svc.engine.add_request(p.prompt_ids, p.params, request_id=p.id, cache_salt=tenant, matcher=matcher)
     except BaseException:
         if queue is not None:
             queue.leave(tenant)
         raise
+
+
+async def run(
+    svc: SessionService, p: ChatPlan, tenant: str, handle: RequestHandle, queue: TenantQueue | None
+) -> AsyncGenerator[dict[str, Any], None]:
+    """The reply as chunk bodies; the last one has `finish_reason` (and `usage`, `message`, logprobs)."""
+    waiting = queue is not None
     output = cached = reasoning = 0
+    last: float | None = None
     reason: FinishReason | None = None
     error: str | None = None
     logprobs: list[dict[str, Any]] = []
@@ -237,6 +244,13 @@ async def run(
             if waiting and queue is not None:
                 waiting = False
                 queue.leave(tenant)
+            if out.token_ids:
+                now = time.perf_counter()
+                if last is None:
+                    METRICS.ttft.observe(now - p.started)
+                else:
+                    METRICS.itl.observe(now - last)
+                last = now
             if p.reply.in_reasoning:
                 reasoning += len(out.token_ids)
             output += len(out.token_ids)
@@ -256,6 +270,7 @@ async def run(
             queue.leave(tenant)
         if reason is None:  # the client left, or the task was cancelled: stop the engine too
             handle.abort()
+    METRICS.count_tokens(tenant, len(p.prompt_ids), cached, output)
     if reason == FinishReason.ERROR:
         raise GrammarDeadEnd(error or "the grammar admits no further token")
     yield {
@@ -270,12 +285,11 @@ def _chunk(p: ChatPlan, model: str, created: int, choices: list[dict[str, Any]],
 
 
 async def stream_chunks(
-    svc: SessionService, p: ChatPlan, tenant: str, queue: TenantQueue | None
+    svc: SessionService, p: ChatPlan, gen: AsyncGenerator[dict[str, Any], None]
 ) -> AsyncIterator[bytes]:
     model, created = svc.config.model, int(time.time())
     first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     yield _chunk(p, model, created, [first])
-    gen = run(svc, p, tenant, queue)
     try:
         async for part in gen:
             if "finish_reason" in part:
@@ -297,6 +311,7 @@ async def stream_chunks(
 
 @post("/chat/completions", status_code=200)
 async def chat_completions(request: Request[Any, Any, Any]) -> Any:
+    started = time.perf_counter()
     svc = service(request)
     try:
         body = msgspec.json.decode(await request.body())
@@ -306,11 +321,13 @@ async def chat_completions(request: Request[Any, Any, Any]) -> Any:
         raise InvalidParam("body", "expected a JSON object")
     tenant = request_tenant(request)
     p = await plan(svc, body)
+    p.started = started
     queue = tenant_queue(request.app.state.server)
+    gen = run(svc, p, tenant, submit(svc, p, tenant, queue), queue)
     if p.stream:
-        return Stream(stream_chunks(svc, p, tenant, queue), media_type="text/event-stream", headers=HEADERS)
+        return Stream(stream_chunks(svc, p, gen), media_type="text/event-stream", headers=HEADERS)
     final: dict[str, Any] = {}
-    async for part in run(svc, p, tenant, queue):
+    async for part in gen:
         final = part
     choice = {
         "index": 0, "message": final["message"], "finish_reason": final["finish_reason"],

@@ -272,7 +272,12 @@ def run(
         max_body_bytes=getattr(args, "max_body_bytes", MAX_BODY_BYTES),
     )  # fmt: skip
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_config=None, access_log=args.verbose, timeout_graceful_shutdown=10
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        access_log=args.verbose,
+        timeout_graceful_shutdown=getattr(args, "shutdown_grace_s", 10),
     )
     server = _Server(config, state)
     startup = Startup(args, server)

@@ -8,7 +8,11 @@ prompt pages; no key or a wrong one is 401."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +24,10 @@ from pydantic import BaseModel
 from tests.redis_server import shared_redis
 from tests.server import Server, running_server
 
-ARGS = ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "0")
+ARGS = (
+    "--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "0",
+    "--max-num-seqs", "2", "--max-queued-per-tenant", "1",
+)  # fmt: skip
 WEATHER: Any = {
     "type": "function",
     "function": {
@@ -200,3 +207,65 @@ def test_tenants(server: Server, client: openai.OpenAI, model: str) -> None:
         _client(server, "wrong").models.list()
     bare = httpx.get(server.url + "/v1/models", timeout=10)
     assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_body_limit_and_tenant_queue(server: Server, client: openai.OpenAI, model: str) -> None:
+    big = httpx.post(
+        server.url + "/v1/chat/completions", content=b"x" * (9 << 20),
+        headers={"Authorization": "Bearer key-a", "Content-Type": "application/json"}, timeout=30,
+    )  # fmt: skip
+    assert big.status_code == 413
+
+    def stream(_: int) -> str:
+        try:
+            chunks = client.chat.completions.create(
+                model=model,
+                messages=QUESTION,
+                max_tokens=12,
+                temperature=0,
+                stream=True,  # type: ignore[arg-type]
+            )
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        except openai.RateLimitError as e:
+            assert e.response.headers["retry-after"] and e.response.headers["x-should-retry"] == "true"
+            return "429"
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(stream, range(4)))
+    assert "429" in results and any(r != "429" and r for r in results), results
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)", line)
+        if m and not line.startswith("#"):
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def test_metrics(server: Server, client: openai.OpenAI, model: str) -> None:
+    before = _samples(httpx.get(server.url + "/metrics", timeout=10).text)
+    client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=3)  # type: ignore[arg-type]
+    after = _samples(httpx.get(server.url + "/metrics", timeout=10).text)
+    ttft = "longctx:time_to_first_token_seconds_count"
+    assert after[ttft] == before.get(ttft, 0) + 1
+    assert after['longctx:prompt_tokens_total{tenant="tenant-a"}'] > 0
+    assert after["longctx:kv_pages_free"] > 0 and after["longctx:kv_prefix_queries_total"] > 0
+    assert any(k.startswith("longctx:startup_phase_seconds{") for k in after)
+    assert any('route="/chat/completions",status="200"' in k for k in after)
+
+
+def test_longctx_chat_piped(server: Server) -> None:
+    base = ["-m", "api.cli", "chat", "--base-url", server.url + "/v1", "--api-key", "key-a", "--max-output-tokens", "8"]
+    cmd = [sys.executable, *base]
+    first = subprocess.run(cmd, input="What is the capital of France?\n", capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    conv = re.search(r"conversation: (conv_\S+)", first.stdout)
+    assert conv is not None and len(first.stdout.strip().splitlines()) >= 2, first.stdout
+    again = subprocess.run(
+        [*cmd, "--conversation", conv.group(1)], input="And of Germany?\n", capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 0 and conv.group(1) in again.stdout, again.stderr
+    other = _client(server, "key-a").conversations.items.list(conv.group(1))
+    assert len(other.data) == 4
