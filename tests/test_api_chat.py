@@ -7,10 +7,13 @@ prompt pages; no key or a wrong one is 401."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +29,7 @@ from tests.server import Server, running_server
 
 ARGS = (
     "--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "0",
-    "--max-num-seqs", "2", "--max-queued-per-tenant", "1",
+    "--max-num-seqs", "2", "--max-queued-per-tenant", "1", "--shutdown-grace-s", "5",
 )  # fmt: skip
 WEATHER: Any = {
     "type": "function",
@@ -269,3 +272,24 @@ def test_longctx_chat_piped(server: Server) -> None:
     assert again.returncode == 0 and conv.group(1) in again.stdout, again.stderr
     other = _client(server, "key-a").conversations.items.list(conv.group(1))
     assert len(other.data) == 4
+
+
+def test_sigterm_with_a_stream_in_flight(server: Server, client: openai.OpenAI, model: str) -> None:
+    """Last in the module: it stops the server. The stream ends, the process exits 0 within the grace."""
+    stream = client.chat.completions.create(
+        model=model,
+        messages=QUESTION,
+        max_tokens=400,
+        temperature=1,
+        seed=1,
+        stream=True,  # type: ignore[arg-type]
+    )
+    chunks = iter(stream)
+    next(chunks)
+    server.proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    with contextlib.suppress(openai.APIError, httpx.HTTPError):
+        for _ in chunks:
+            pass
+    assert server.proc.wait(timeout=60) == 0, server.log_tail()
+    assert time.monotonic() - t0 < 5 + 20  # the grace, plus the engine's and Redis' shutdown on busy cores
