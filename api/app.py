@@ -25,7 +25,9 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.types import ControllerRouterHandler
 
+from api.auth import auth_guard
 from api.errors import error_body, handle_exception
+from api.metrics import http_metrics, metrics
 from api.state import ServerState
 
 log = logging.getLogger("longctx.serve")
@@ -53,6 +55,10 @@ def health() -> dict[str, str]:
 def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Readiness: 200 once the model is loaded and warmed up; 503 with the phase before and while stopping."""
     state = server_state(request)
+    engine = state.engine
+    if state.ready and engine is not None and not engine.alive:  # the engine thread died
+        dead = {"phase": "engine_stopped"} | error_body("the engine thread is not running", "server_error")
+        return Response(dead, status_code=503)
     if state.ready and not state.draining:
         return Response({"status": "ready", "phase": state.phase, "phase_seconds": state.phase_seconds})
     body: dict[str, Any] = {"phase": state.phase}
@@ -84,6 +90,7 @@ def create_app(
     routes: Sequence[ControllerRouterHandler] = (),
     start: Callable[[ServerState], Coroutine[Any, Any, None]] | None = None,
     debug: bool = False,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> Litestar:
     """The app serving `state`.
 
@@ -92,6 +99,7 @@ def create_app(
         routes: route handlers, routers or controllers of the API.
         start: the startup phases, run as a task once the lifespan begins (None: nothing to start).
         debug: Litestar's debug mode (tracebacks in logs).
+        max_body_bytes: the largest request body (over: 413).
     """
 
     @contextlib.asynccontextmanager
@@ -109,10 +117,12 @@ def create_app(
             await shutdown(state)
 
     app = Litestar(
-        route_handlers=[health, ready, *routes],
+        route_handlers=[health, ready, metrics, *routes],
+        middleware=[http_metrics],
+        guards=[auth_guard],  # /v1 only: the request's tenant, or 401
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],
-        request_max_body_size=MAX_BODY_BYTES,
+        request_max_body_size=max_body_bytes,
         debug=debug,
         openapi_config=OpenAPIConfig(title="longctx", version="0.1.0"),
         logging_config=None,  # the CLI configures logging; Litestar would replace it

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from api import cli_tools
+from api import chat_client, cli_tools
 from api.engine_args import add_engine_args, engine_config, parse_bytes
 
 
@@ -33,6 +33,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
     p.add_argument(
         "--tool-call-format", default="auto", help="auto (from the chat template), hermes, llama3 or mistral"
+    )
+    p.add_argument("--shutdown-grace-s", type=float, default=10, help="on SIGTERM: seconds streams may take to finish")
+    p.add_argument("--max-body-bytes", type=parse_bytes, default=8 << 20, help="largest request body (over: 413)")
+    p.add_argument(
+        "--max-queued-per-tenant", type=int, default=None, help="waiting requests per tenant (default: --max-queued/2)"
+    )
+    p.add_argument(
+        "--api-keys-file", type=Path, default=None, help="'KEY TENANT' per line (default: no auth, loopback)"
     )
 
 
@@ -118,10 +126,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from api import conversations, responses
+    from api import chat, conversations, responses
     from api.serve import run
 
-    return run(args, routes=[responses.router, conversations.router], setup=responses.setup)
+    return run(args, routes=[responses.router, conversations.router, chat.router], setup=responses.setup)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -198,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--tensor-parallel-size", type=int, default=1, help="parallel stage: ranks to shard over")
     doc.add_argument("--expert-parallel", action="store_true", help="parallel stage: whole experts per rank")
     doc.set_defaults(func=_doctor)
+
+    chat = sub.add_parser("chat", help="a terminal client: chat with a running server")
+    chat_client.add_arguments(chat)
+    chat.set_defaults(func=chat_client.run)
 
     models = sub.add_parser("models", help="manage models under $LONGCTX_HOME/models")
     models.add_argument("action", choices=["pull", "list"])

@@ -14,7 +14,8 @@ import msgspec
 from litestar import Request, Router, delete, get, post
 
 from api.app import ready_guard
-from api.responses import TENANT, page_body, service
+from api.auth import tenant
+from api.responses import page_body, service
 from sessions.conversation_api import ConversationAPI
 from sessions.requests import InvalidParam
 
@@ -37,44 +38,44 @@ async def body(request: Request[Any, Any, Any]) -> dict[str, Any]:
 @post("/conversations", status_code=200)
 async def create_conversation(request: Request[Any, Any, Any]) -> Any:
     b = await body(request)
-    return await api(request).create(TENANT, b.get("items"), b.get("metadata"))
+    return await api(request).create(tenant(request), b.get("items"), b.get("metadata"))
 
 
 @get("/conversations/{conv_id:str}")
 async def get_conversation(request: Request[Any, Any, Any], conv_id: str) -> Any:
-    return await api(request).get(TENANT, conv_id)
+    return await api(request).get(tenant(request), conv_id)
 
 
 @post("/conversations/{conv_id:str}", status_code=200)
 async def update_conversation(request: Request[Any, Any, Any], conv_id: str) -> Any:
-    return await api(request).update(TENANT, conv_id, (await body(request)).get("metadata"))
+    return await api(request).update(tenant(request), conv_id, (await body(request)).get("metadata"))
 
 
 @delete("/conversations/{conv_id:str}", status_code=200)
 async def delete_conversation(request: Request[Any, Any, Any], conv_id: str) -> dict[str, Any]:
-    return await api(request).delete(TENANT, conv_id)
+    return await api(request).delete(tenant(request), conv_id)
 
 
 @get("/conversations/{conv_id:str}/items")
 async def list_items(
     request: Request[Any, Any, Any], conv_id: str, after: str | None = None, limit: int = 20, order: str = "desc"
 ) -> dict[str, Any]:
-    return page_body(await api(request).list_items(TENANT, conv_id, after, limit, order))
+    return page_body(await api(request).list_items(tenant(request), conv_id, after, limit, order))
 
 
 @post("/conversations/{conv_id:str}/items", status_code=200)
 async def add_items(request: Request[Any, Any, Any], conv_id: str) -> dict[str, Any]:
-    return page_body(await api(request).add_items(TENANT, conv_id, (await body(request)).get("items")))
+    return page_body(await api(request).add_items(tenant(request), conv_id, (await body(request)).get("items")))
 
 
 @get("/conversations/{conv_id:str}/items/{item_id:str}")
 async def get_item(request: Request[Any, Any, Any], conv_id: str, item_id: str) -> Any:
-    return await api(request).get_item(TENANT, conv_id, item_id)
+    return await api(request).get_item(tenant(request), conv_id, item_id)
 
 
 @delete("/conversations/{conv_id:str}/items/{item_id:str}", status_code=200)
 async def delete_item(request: Request[Any, Any, Any], conv_id: str, item_id: str) -> Any:
-    return await api(request).delete_item(TENANT, conv_id, item_id)
+    return await api(request).delete_item(tenant(request), conv_id, item_id)
 
 
 router = Router(

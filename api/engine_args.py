@@ -41,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="a prompt's share of the step budget while others wait (default: half the budget)",
     )
     p.add_argument("--max-queued", type=int, default=256, help="requests queued before new ones are refused")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_paged", "flashinfer"])
     p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0 = torch's default, or cores/N)")
     p.add_argument("--host-cache-bytes", type=parse_bytes, default=0, help="host KV tier budget (0 = none)")
@@ -72,6 +74,8 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_tokens_per_request=args.max_prefill_tokens_per_request,
         max_queued=args.max_queued,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
         threads=args.threads,
         host_cache_bytes=args.host_cache_bytes,

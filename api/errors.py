@@ -53,7 +53,7 @@ def register(name: str, spec: ErrorSpec) -> None:
     ERRORS[name] = spec
 
 
-def _retry_after(e: BaseException) -> dict[str, str]:
+def retry_after_headers(e: BaseException) -> dict[str, str]:
     seconds = max(1, round(float(getattr(e, "retry_after_s", 1))))
     return {"Retry-After": str(seconds), "x-should-retry": "true"}
 
@@ -64,7 +64,7 @@ def _schema_param(e: BaseException) -> str | None:
 
 # engine
 register("ContextTooLong", ErrorSpec(400, code="context_length_exceeded"))
-register("EngineOverloaded", ErrorSpec(429, "rate_limit_error", "engine_overloaded", headers=_retry_after))
+register("EngineOverloaded", ErrorSpec(429, "rate_limit_error", "engine_overloaded", headers=retry_after_headers))
 register("EngineStopped", ErrorSpec(503, "server_error", "shutting_down"))
 # tools
 register("InvalidSchema", ErrorSpec(400, code="invalid_schema", param=_schema_param))

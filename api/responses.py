@@ -8,7 +8,7 @@ startup: the store on the server's Redis client, the service, the background wor
     GET    /v1/responses/{id}/input_items  its input items (after, limit, order)
     POST   /v1/responses/compact           a context as a compaction item and the kept items
 
-One tenant until API keys come (`TENANT`).
+Every call runs as the request's tenant (`api.auth`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 from litestar import Request, Router, delete, get, post
 
 from api.app import ready_guard
+from api.auth import tenant
 from api.errors import ErrorSpec, register
 from api.sse import sse_response
 from api.state import ServerState
@@ -28,8 +29,6 @@ from sessions.items import ItemPage
 from sessions.service import SessionService
 from sessions.store import SessionStore
 from sessions.tasks import BackgroundWorkers
-
-TENANT = "default"
 
 register("InvalidParam", ErrorSpec(400))
 register("ContextLengthExceeded", ErrorSpec(400, code="context_length_exceeded"))
@@ -49,7 +48,9 @@ def page_body(page: ItemPage) -> dict[str, Any]:
 
 @post("/responses", status_code=200)
 async def create_response(request: Request[Any, Any, Any]) -> Any:
-    result = await service(request).create(TENANT, await request.body(), request.headers.get("idempotency-key"))
+    result = await service(request).create(
+        tenant(request), await request.body(), request.headers.get("idempotency-key")
+    )
     if hasattr(result, "__aiter__"):
         return sse_response(result)
     return result
@@ -57,7 +58,7 @@ async def create_response(request: Request[Any, Any, Any]) -> Any:
 
 @post("/responses/compact", status_code=200)
 async def compact_response(request: Request[Any, Any, Any]) -> Any:
-    return await service(request).compact(TENANT, await request.body())
+    return await service(request).compact(tenant(request), await request.body())
 
 
 @get("/responses/{resp_id:str}")
@@ -66,26 +67,26 @@ async def retrieve_response(
 ) -> Any:
     svc = service(request)
     if stream:
-        await svc.retrieve(TENANT, resp_id)  # NotFound before the stream starts
-        return sse_response(svc.stream_events(TENANT, resp_id, starting_after))
-    return await svc.retrieve(TENANT, resp_id)
+        await svc.retrieve(tenant(request), resp_id)  # NotFound before the stream starts
+        return sse_response(svc.stream_events(tenant(request), resp_id, starting_after))
+    return await svc.retrieve(tenant(request), resp_id)
 
 
 @post("/responses/{resp_id:str}/cancel", status_code=200)
 async def cancel_response(request: Request[Any, Any, Any], resp_id: str) -> Any:
-    return await service(request).cancel(TENANT, resp_id)
+    return await service(request).cancel(tenant(request), resp_id)
 
 
 @delete("/responses/{resp_id:str}", status_code=200)
 async def delete_response(request: Request[Any, Any, Any], resp_id: str) -> dict[str, Any]:
-    return await service(request).delete(TENANT, resp_id)
+    return await service(request).delete(tenant(request), resp_id)
 
 
 @get("/responses/{resp_id:str}/input_items")
 async def input_items(
     request: Request[Any, Any, Any], resp_id: str, after: str | None = None, limit: int = 20, order: str = "desc"
 ) -> dict[str, Any]:
-    return page_body(await service(request).input_items(TENANT, resp_id, after, limit, order))
+    return page_body(await service(request).input_items(tenant(request), resp_id, after, limit, order))
 
 
 router = Router(

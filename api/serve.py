@@ -27,7 +27,8 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from api.app import create_app
+from api import auth, limits
+from api.app import MAX_BODY_BYTES, create_app
 from api.managed_redis import INSTALL_HINT, ManagedRedis, cache_args, state_args
 from api.state import ServeOptions, ServerState
 
@@ -258,12 +259,26 @@ def run(
         tool_call_format=args.tool_call_format,
     )
     state = ServerState(options)
+    try:
+        auth.configure(state, getattr(args, "api_keys_file", None), args.host)
+        limits.configure(state, args.max_queued, getattr(args, "max_queued_per_tenant", None))
+    except (auth.KeysFileError, ValueError) as e:
+        print(f"longctx: error: {e}", flush=True, file=sys.stderr)
+        return 2
     if setup is not None:
         setup(state)
     holder: list[Startup] = []
-    app = create_app(state, routes or [], start=lambda s: holder[0].run(s), debug=args.verbose)
+    app = create_app(
+        state, routes or [], start=lambda s: holder[0].run(s), debug=args.verbose,
+        max_body_bytes=getattr(args, "max_body_bytes", MAX_BODY_BYTES),
+    )  # fmt: skip
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_config=None, access_log=args.verbose, timeout_graceful_shutdown=10
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        access_log=args.verbose,
+        timeout_graceful_shutdown=getattr(args, "shutdown_grace_s", 10),
     )
     server = _Server(config, state)
     startup = Startup(args, server)

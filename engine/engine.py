@@ -132,6 +132,11 @@ class Engine(EngineCore):
                 self._wake.wait(timeout=0.002 if self.scheduler.loading else 0.5)
                 self._wake.clear()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the loop's thread runs (False before `start`, after `shutdown`, or if it died)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> Engine:
         """Run the loop on a daemon thread."""
         if self._thread is None:

@@ -1,0 +1,295 @@
+"""Chat Completions and Models over HTTP with the official `openai` client: `longctx serve` on the
+demo model (float32) and the shared test Redis. Text streamed and not, `parse` with a Pydantic
+model, tools with streamed `delta.tool_calls` adding up, a tool round trip, logprobs, a seed, stop,
+usage with cached tokens, the models list, and 4xx errors for what is not supported. The server
+runs with `--api-keys-file` and two tenants: B never sees A's conversations, responses or cached
+prompt pages; no key or a wrong one is 401."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+
+from tests.redis_server import shared_redis
+from tests.server import Server, running_server
+
+ARGS = (
+    "--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "0",
+    "--max-num-seqs", "2", "--max-queued-per-tenant", "1", "--shutdown-grace-s", "5",
+)  # fmt: skip
+WEATHER: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather", "strict": True,
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                       "additionalProperties": False},
+    },
+}  # fmt: skip
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+KEYS = "# key tenant\nkey-a  tenant-a\nkey-b tenant-b  # the second tenant\n"
+
+
+@pytest.fixture(scope="module")
+def server(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("chat")
+    (tmp / "keys").write_text(KEYS)
+    args = (*ARGS, "--api-keys-file", str(tmp / "keys"))
+    with shared_redis() as (url, _), running_server(demo_gguf, *args, log=tmp / "serve.log", redis_url=url) as s:
+        yield s
+
+
+def _client(server: Server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return _client(server, "key-a")
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    models = client.models.list().data
+    assert len(models) == 1 and client.models.retrieve(models[0].id).id == models[0].id
+    return models[0].id
+
+
+def test_text_streamed_and_not_with_usage_and_cache(client: openai.OpenAI, model: str) -> None:
+    done = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)  # type: ignore[arg-type]
+    text = done.choices[0].message.content
+    assert text and "Paris" in text and done.choices[0].finish_reason in ("stop", "length")
+    assert done.usage is not None and done.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=16, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    ))  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == done.choices[0].finish_reason
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage is not None
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens > 0
+
+
+class Capital(BaseModel):
+    country: str
+    capital: str
+
+
+def test_parse_with_pydantic(client: openai.OpenAI, model: str) -> None:
+    done = client.chat.completions.parse(
+        model=model,
+        messages=QUESTION,
+        response_format=Capital,
+        temperature=0,
+        max_tokens=60,  # type: ignore[arg-type]
+    )
+    parsed = done.choices[0].message.parsed
+    assert parsed is not None and "Paris" in parsed.capital
+
+
+def test_tools_streamed_and_round_trip(client: openai.OpenAI, model: str) -> None:
+    ask: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw: Any = {"model": model, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False,
+                 "temperature": 0, "max_tokens": 40}  # fmt: skip
+    done = client.chat.completions.create(messages=ask, **kw)
+    msg = done.choices[0].message
+    assert done.choices[0].finish_reason == "tool_calls" and msg.content is None and msg.tool_calls
+    call = msg.tool_calls[0]
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)  # type: ignore[union-attr]
+    calls: dict[int, dict[str, str]] = {}
+    for chunk in client.chat.completions.create(messages=ask, stream=True, **kw):
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            c["name"] += (tc.function.name or "") if tc.function else ""
+            c["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    assert calls[0]["name"] == "get_weather"
+    assert calls[0]["arguments"] == call.function.arguments  # type: ignore[union-attr]
+    back: Any = [
+        *ask, msg.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "clear"}'},
+    ]  # fmt: skip
+    answer = client.chat.completions.create(model=model, messages=back, tools=[WEATHER], temperature=0, max_tokens=30)
+    assert answer.choices[0].message.content
+
+
+def test_logprobs_seed_and_stop(client: openai.OpenAI, model: str) -> None:
+    done = client.chat.completions.create(
+        model=model,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=5,  # type: ignore[arg-type]
+    )
+    content = done.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and all(len(t.top_logprobs) == 5 and t.bytes is not None for t in content)
+    seeded = [
+        client.chat.completions.create(model=model, messages=QUESTION, temperature=1, seed=7, max_tokens=12)  # type: ignore[arg-type]
+        .choices[0].message.content
+        for _ in range(2)
+    ]  # fmt: skip
+    assert seeded[0] == seeded[1]
+    full = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)  # type: ignore[arg-type]
+    text = full.choices[0].message.content or ""
+    word = text.split()[1] if len(text.split()) > 1 else text[-2:]
+    stopped = client.chat.completions.create(
+        model=model,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=16,
+        stop=[word],  # type: ignore[arg-type]
+    )
+    assert word not in (stopped.choices[0].message.content or "") and stopped.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("extra", "status", "param"),
+    [
+        ({"model": "gpt-4o"}, 404, "model"),
+        ({"n": 2}, 400, "n"),
+        ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, None),
+        ({"messages": []}, 400, "messages"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"top_logprobs": 21, "logprobs": True}, 400, "top_logprobs"),
+        ({"temperature": "hot"}, 400, "temperature"),
+        ({"tool_choice": "sometimes", "tools": [WEATHER]}, 400, "tool_choice"),
+        ({"max_tokens": 10**9}, 400, "max_tokens"),
+    ],
+)
+def test_bad_input(client: openai.OpenAI, model: str, extra: dict[str, Any], status: int, param: str | None) -> None:
+    body: dict[str, Any] = {"model": model, "messages": QUESTION, "max_tokens": 2} | extra
+    with pytest.raises(openai.APIStatusError) as e:
+        client.post("/chat/completions", body=body, cast_to=object)
+    assert e.value.status_code == status, e.value.body
+    err = e.value.body
+    assert isinstance(err, dict)
+    if param is not None:
+        assert str(err.get("param", "")).startswith(param), err
+    assert client.models.list().data  # still serving
+
+
+def test_tenants(server: Server, client: openai.OpenAI, model: str) -> None:
+    other = _client(server, "key-b")
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "Hi"}])
+    resp = client.responses.create(model=model, input="Hello", max_output_tokens=2, temperature=0)
+    for call in (
+        lambda: other.conversations.retrieve(conv.id),
+        lambda: other.conversations.items.list(conv.id),
+        lambda: other.responses.retrieve(resp.id),
+        lambda: other.responses.input_items.list(resp.id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert client.conversations.retrieve(conv.id).id == conv.id
+    ask: Any = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
+    for _ in range(2):
+        a = client.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=2)
+    b = other.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=2)
+    assert a.usage is not None and a.usage.prompt_tokens_details is not None
+    assert b.usage is not None and b.usage.prompt_tokens_details is not None
+    assert a.usage.prompt_tokens_details.cached_tokens > 0 and b.usage.prompt_tokens_details.cached_tokens == 0
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, "wrong").models.list()
+    bare = httpx.get(server.url + "/v1/models", timeout=10)
+    assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_body_limit_and_tenant_queue(server: Server, client: openai.OpenAI, model: str) -> None:
+    big = httpx.post(
+        server.url + "/v1/chat/completions", content=b"x" * (9 << 20),
+        headers={"Authorization": "Bearer key-a", "Content-Type": "application/json"}, timeout=30,
+    )  # fmt: skip
+    assert big.status_code == 413
+
+    def stream(_: int) -> str:
+        try:
+            chunks = client.chat.completions.create(
+                model=model,
+                messages=QUESTION,
+                max_tokens=12,
+                temperature=0,
+                stream=True,  # type: ignore[arg-type]
+            )
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        except openai.RateLimitError as e:
+            assert e.response.headers["retry-after"] and e.response.headers["x-should-retry"] == "true"
+            return "429"
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(stream, range(4)))
+    assert "429" in results and any(r != "429" and r for r in results), results
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)", line)
+        if m and not line.startswith("#"):
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def test_metrics(server: Server, client: openai.OpenAI, model: str) -> None:
+    before = _samples(httpx.get(server.url + "/metrics", timeout=10).text)
+    client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=3)  # type: ignore[arg-type]
+    after = _samples(httpx.get(server.url + "/metrics", timeout=10).text)
+    ttft = "longctx:time_to_first_token_seconds_count"
+    assert after[ttft] == before.get(ttft, 0) + 1
+    assert after['longctx:prompt_tokens_total{tenant="tenant-a"}'] > 0
+    assert after["longctx:kv_pages_free"] > 0 and after["longctx:kv_prefix_queries_total"] > 0
+    assert any(k.startswith("longctx:startup_phase_seconds{") for k in after)
+    assert any('route="/chat/completions",status="200"' in k for k in after)
+
+
+def test_longctx_chat_piped(server: Server) -> None:
+    base = ["-m", "api.cli", "chat", "--base-url", server.url + "/v1", "--api-key", "key-a", "--max-output-tokens", "8"]
+    cmd = [sys.executable, *base]
+    first = subprocess.run(cmd, input="What is the capital of France?\n", capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    conv = re.search(r"conversation: (conv_\S+)", first.stdout)
+    assert conv is not None and len(first.stdout.strip().splitlines()) >= 2, first.stdout
+    again = subprocess.run(
+        [*cmd, "--conversation", conv.group(1)], input="And of Germany?\n", capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 0 and conv.group(1) in again.stdout, again.stderr
+    other = _client(server, "key-a").conversations.items.list(conv.group(1))
+    assert len(other.data) == 4
+
+
+def test_sigterm_with_a_stream_in_flight(server: Server, client: openai.OpenAI, model: str) -> None:
+    """Last in the module: it stops the server. The stream ends, the process exits 0 within the grace."""
+    stream = client.chat.completions.create(
+        model=model,
+        messages=QUESTION,
+        max_tokens=400,
+        temperature=1,
+        seed=1,
+        stream=True,  # type: ignore[arg-type]
+    )
+    chunks = iter(stream)
+    next(chunks)
+    server.proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    with contextlib.suppress(openai.APIError, httpx.HTTPError):
+        for _ in chunks:
+            pass
+    assert server.proc.wait(timeout=60) == 0, server.log_tail()
+    assert time.monotonic() - t0 < 5 + 20  # the grace, plus the engine's and Redis' shutdown on busy cores
