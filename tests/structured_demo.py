@@ -55,3 +55,15 @@ def with_special_marker(demo_gguf: Path) -> Tokenizer:
     hf = copy.deepcopy(compiler(str(demo_gguf)).tokenizer.hf)
     hf.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
     return Tokenizer(hf)
+
+
+QWEN25_STYLE = (Path(__file__).parent / "data" / "qwen2_5_style_template.jinja").read_text()
+
+
+def qwen_style(demo: Tokenizer) -> Tokenizer:
+    """The demo tokenizer (it has ChatML's tokens) with a Qwen2.5-style template that renders tools."""
+    hf = copy.deepcopy(demo.hf)
+    hf.chat_template = QWEN25_STYLE
+    tok = Tokenizer(hf, demo.eos_token_ids)
+    assert tok.renders_tools
+    return tok

@@ -12,11 +12,10 @@ from typing import Any
 import pytest
 
 from engine.loading.tokenizer import Tokenizer
-from tests.structured_demo import compiler
+from tests.structured_demo import compiler, qwen_style
 from tools.prompt import normalize_messages, render_prompt
 from tools.schema import InvalidRequest, parse_tools
 
-QWEN25_STYLE = (Path(__file__).parent / "data" / "qwen2_5_style_template.jinja").read_text()
 TOOLS = parse_tools(
     [{"type": "function", "name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
@@ -36,12 +35,7 @@ def demo(demo_gguf: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def qwen(demo: Tokenizer) -> Tokenizer:
-    """The demo tokenizer (it has ChatML's tokens) with a Qwen2.5-style template that renders tools."""
-    hf = copy.deepcopy(demo.hf)
-    hf.chat_template = QWEN25_STYLE
-    tok = Tokenizer(hf, demo.eos_token_ids)
-    assert tok.renders_tools
-    return tok
+    return qwen_style(demo)
 
 
 def _text(tok: Tokenizer, messages: list[dict[str, Any]], tools: Any = TOOLS) -> str:

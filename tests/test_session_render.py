@@ -5,7 +5,6 @@ tool call and its output among the turns; a template that is not append-only is 
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 
@@ -17,10 +16,9 @@ from sessions.items import FunctionCall, FunctionCallOutput, Item, Message, Outp
 from sessions.reasoning import ReasoningSplitter, opens_in_reasoning
 from sessions.render import build_prompt, decode_exact, encode, render_text, to_messages
 from sessions.requests import InvalidParam
-from tests.structured_demo import compiler
+from tests.structured_demo import compiler, qwen_style
 from tools.schema import parse_tools
 
-QWEN25_STYLE = (Path(__file__).parent / "data" / "qwen2_5_style_template.jinja").read_text()
 TOOLS = parse_tools([{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}])  # fmt: skip
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -33,11 +31,7 @@ def demo(demo_gguf: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def qwen(demo: Tokenizer) -> Tokenizer:
-    hf = copy.deepcopy(demo.hf)
-    hf.chat_template = QWEN25_STYLE
-    tok = Tokenizer(hf, demo.eos_token_ids)
-    assert tok.renders_tools
-    return tok
+    return qwen_style(demo)
 
 
 def _assistant(text: str) -> Message:
