@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from tests.redis_server import shared_redis
@@ -239,11 +240,13 @@ def test_body_limit_and_tenant_queue(server: Server, client: openai.OpenAI, mode
 
 
 def _samples(text: str) -> dict[str, float]:
+    """Every sample as `name{label="value",...}` -> value, read by prometheus_client's own parser
+    (which raises on text that is not valid exposition format)."""
     out = {}
-    for line in text.splitlines():
-        m = re.fullmatch(r"([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)", line)
-        if m and not line.startswith("#"):
-            out[m.group(1)] = float(m.group(2))
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in s.labels.items())
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 
 
