@@ -178,7 +178,7 @@ async def plan(svc: SessionService, body: dict[str, Any]) -> ChatPlan:
         text = render_text(svc.tokenizer, messages, specs if tool_choice != "none" else [])
         return encode(svc.tokenizer, text), text
 
-    ids, text = await asyncio.to_thread(render)
+    ids, text = await svc.fitter.tokenizing.run(render)  # the service's one tokenizer thread
     limit = min(svc.engine.max_model_len, svc.engine.capacity_tokens)
     cap = svc.config.max_output_tokens
     if asked is not None and asked > cap:

@@ -27,17 +27,19 @@ class TokenizerPool:
         self.tokenizer = tokenizer
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="longctx-tokenizer")
 
-    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    async def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` on the worker thread: for work that uses the tokenizer (render a
+        template, then encode) beyond the three calls below."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
     async def encode(self, text: str) -> list[int]:
         """`Tokenizer.encode` on the worker thread."""
-        ids: list[int] = await self._call(self.tokenizer.encode, text)
+        ids: list[int] = await self.run(self.tokenizer.encode, text)
         return ids
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """`Tokenizer.decode` on the worker thread."""
-        text: str = await self._call(self.tokenizer.decode, ids, skip_special_tokens)
+        text: str = await self.run(self.tokenizer.decode, ids, skip_special_tokens)
         return text
 
     async def apply_chat_template(
@@ -47,7 +49,7 @@ class TokenizerPool:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """`Tokenizer.apply_chat_template` (render and tokenize) on the worker thread."""
-        ids: list[int] = await self._call(self.tokenizer.apply_chat_template, messages, tools, add_generation_prompt)
+        ids: list[int] = await self.run(self.tokenizer.apply_chat_template, messages, tools, add_generation_prompt)
         return ids
 
     def close(self) -> None:

@@ -9,13 +9,13 @@ are in `sessions.compaction`'s docstring.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, NamedTuple
 
 from engine.engine import Engine
 from engine.loading.tokenizer import Tokenizer
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.tokenizer_pool import TokenizerPool
 from sessions.compaction import (
     SUMMARY_MAX_TOKENS,
     Payload,
@@ -52,6 +52,7 @@ class SummaryFailed(RuntimeError):
 class PromptFitter:
     def __init__(self, engine: Engine, store: SessionStore, tokenizer: Tokenizer):
         self.engine, self.store, self.tokenizer = engine, store, tokenizer
+        self.tokenizing = TokenizerPool(tokenizer)  # one worker: a fast tokenizer is not thread-safe
 
     @property
     def limit(self) -> int:
@@ -79,7 +80,8 @@ class PromptFitter:
                 text = render_text(self.tokenizer, messages, specs, thinking=req.thinking)
                 return build_prompt(self.tokenizer, text, ctx.previous_ids)
 
-            return await asyncio.to_thread(run)
+            prompt: Prompt = await self.tokenizing.run(run)
+            return prompt
 
         prompt = await render(summary, items)
         made: Compaction | None = None
@@ -117,8 +119,8 @@ class PromptFitter:
         """The model's greedy summary of `older` (after an earlier `summary`), and its (prompt,
         output) token counts. The engine request runs at priority 1."""
         messages = summary_messages(summary, to_messages(older))
-        text = await asyncio.to_thread(render_text, self.tokenizer, messages, [])
-        ids = await asyncio.to_thread(encode, self.tokenizer, text)
+        text = await self.tokenizing.run(render_text, self.tokenizer, messages, [])
+        ids = await self.tokenizing.run(encode, self.tokenizer, text)
         params = SamplingParams(priority=1, temperature=0.0, max_tokens=SUMMARY_MAX_TOKENS)
         handle = self.engine.add_request(ids, params, request_id=request_id, cache_salt=tenant)
         parts: list[str] = []
