@@ -25,14 +25,16 @@ LOOKUP_SLACK = 1.5  # wait this many times the expected fetch before giving up
 def lookup_plan(fetch_s: float, recompute_s: float, cap_s: float) -> tuple[bool, float]:
     """Whether to ask the remote tiers, and how long a request may wait for its lookup.
 
-    While fetching is expected to beat recomputing (`fetch_s` < `recompute_s`): ask, and wait
-    `LOOKUP_SLACK` x the expected fetch (at least `LOOKUP_FLOOR_S`), never past `cap_s`.
+    While fetching is expected to beat recomputing (`fetch_s` < `recompute_s`): ask, and wait as
+    long as a recompute would take (at least `LOOKUP_SLACK` x the expected fetch and
+    `LOOKUP_FLOOR_S`), never past `cap_s`: a fetch slower than its estimate still restores while
+    waiting costs no more than recomputing.
     Otherwise take only what is at hand (host memory), and a remote tier is not asked at all:
     its answer would come after the recompute, and it would hold up the lookups behind it.
     """
     if fetch_s >= recompute_s:
         return False, min(cap_s, LOOKUP_FLOOR_S)
-    return True, min(cap_s, max(LOOKUP_FLOOR_S, LOOKUP_SLACK * fetch_s))
+    return True, min(cap_s, max(LOOKUP_FLOOR_S, LOOKUP_SLACK * fetch_s, recompute_s))
 
 
 class PendingFetch(Protocol):

@@ -39,8 +39,9 @@ MID = dict(
 
 
 def test_wait_only_while_fetching_beats_recomputing() -> None:
-    assert lookup_plan(fetch_s=0.3, recompute_s=2.0, cap_s=5.0) == (True, pytest.approx(0.45))
-    assert lookup_plan(fetch_s=0.001, recompute_s=2.0, cap_s=5.0) == (True, LOOKUP_FLOOR_S)
+    assert lookup_plan(fetch_s=0.3, recompute_s=2.0, cap_s=5.0) == (True, 2.0)  # as long as a recompute
+    assert lookup_plan(fetch_s=0.3, recompute_s=0.4, cap_s=5.0) == (True, pytest.approx(0.45))  # slack
+    assert lookup_plan(fetch_s=0.001, recompute_s=0.01, cap_s=5.0) == (True, LOOKUP_FLOOR_S)
     assert lookup_plan(fetch_s=4.0, recompute_s=60.0, cap_s=5.0) == (True, 5.0)  # capped
     assert lookup_plan(fetch_s=0.3, recompute_s=0.1, cap_s=5.0) == (False, LOOKUP_FLOOR_S)  # recompute instead
     assert lookup_plan(fetch_s=0.3, recompute_s=0.1, cap_s=0.05) == (False, 0.05)
