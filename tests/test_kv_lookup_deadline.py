@@ -33,7 +33,7 @@ DELAY_S = 0.3
 # Heavy on compute, light on KV (one KV head): a 2k-token prefill takes about a second on one
 # CPU thread while its pages are 1 MB, so restoring through a 300 ms link is worth waiting for.
 MID = dict(
-    hidden_size=384, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=1,
+    hidden_size=384, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=1,
     max_position_embeddings=8192,
 )  # fmt: skip
 
