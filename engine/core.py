@@ -27,7 +27,7 @@ from engine.distributed.parallel import SINGLE, ParallelContext
 from engine.engine_config import EngineConfig
 from engine.grammar import GrammarHook
 from engine.kv_connector import KVConnector, NoConnector
-from engine.kv_tiers import build_tiers, kv_namespace, kv_stats
+from engine.kv_tiers import build_tiers, kv_namespace, kv_stats, reclaim_window
 from engine.loading.tokenizer import Tokenizer
 from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
@@ -94,6 +94,7 @@ class EngineCore:
         self.connector: KVConnector = connector or NoConnector()
         self.pool = BlockPool(self.kv_cache.num_pages, on_evict=self.connector.evict)
         self.prefill_rate = PrefillRate()  # what recomputing costs, against a tier lookup's wait
+        self.reclaim_window = reclaim_window(self.model_config)
         self.scheduler = Scheduler(
             self.pool,
             self.kv_spec.page_size,
@@ -104,6 +105,7 @@ class EngineCore:
             lookup_timeout_s=config.kv_lookup_timeout_s,
             max_prefill_tokens_per_request=config.max_prefill_tokens_per_request,
             recompute_s=self.prefill_rate.seconds,
+            window=self.reclaim_window,
         )
         self.sampler = Sampler()
         self.stats = EngineStats()
@@ -123,13 +125,41 @@ class EngineCore:
         self._snapshot = EngineSnapshot(free_pages=self.pool.num_free, total_pages=self.pool.num_pages)
         log.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %s); backend %s",
-            self.kv_cache.num_pages, self.kv_spec.page_size, self.capacity_tokens, self.kv_cache.num_bytes / 1e6,
+            self.kv_cache.num_pages, self.kv_spec.page_size, self.kv_cache.num_pages * self.kv_spec.page_size,
+            self.kv_cache.num_bytes / 1e6,
             self.kv_spec.dtype, runner.backend.name,
         )  # fmt: skip
+        self._log_windows()
+
+    def _log_windows(self) -> None:
+        windows = self.model_config.sliding_windows
+        if self.reclaim_window is not None:
+            log.info(
+                "every layer has a sliding window (at most %d tokens): a sequence releases its KV pages "
+                "behind the window as it advances and holds at most %d pages between steps",
+                self.reclaim_window, -(-self.reclaim_window // self.kv_spec.page_size) + 2,
+            )  # fmt: skip
+        elif windows:
+            full = sum(w is None for w in windows)
+            log.info(
+                "the model mixes full-attention (%d) and sliding-window (%d) layers: every KV page is kept, "
+                "since the full-attention layers read them all",
+                full, len(windows) - full,
+            )  # fmt: skip
 
     @property
     def capacity_tokens(self) -> int:
-        return self.kv_cache.num_pages * self.kv_spec.page_size
+        """The longest request (prompt + max_tokens) the KV cache can hold: its tokens, or, when
+        every layer has a window and the pool holds a window plus a full step's chunk, the
+        model's context (a sequence then keeps only its window's pages)."""
+        pool_tokens = self.kv_cache.num_pages * self.kv_spec.page_size
+        w = self.reclaim_window
+        if (
+            w is not None
+            and self.kv_cache.num_pages >= self.kv_spec.pages_for(w + self.config.max_num_batched_tokens) + 2
+        ):
+            return max(pool_tokens, self.max_model_len)
+        return pool_tokens
 
     # ---- the caller's side (any thread) ----
 
@@ -177,7 +207,7 @@ class EngineCore:
         for c in chunks:
             r = c.request
             end = r.num_computed + c.num_tokens
-            batch.append(Chunk(r.tokens(r.num_computed, end), r.pages, end))
+            batch.append(Chunk(r.tokens(r.num_computed, end), r.pages.live(), end, r.pages.first))
             if r.num_computed < len(r.prompt_ids):
                 self.stats.prompt_tokens_computed += min(end, len(r.prompt_ids)) - r.num_computed
         t0 = time.perf_counter()
@@ -258,6 +288,8 @@ class EngineCore:
             len(s.running), len(s.waiting), len(s.loading), self.admission.queued, self.pool.num_free,
             self.pool.num_pages,
             s.num_preemptions, st.prompt_tokens_computed, st.generated_tokens, st.finished, st.steps,
+            {r.id: r.pages.num_live for r in itertools.chain(s.running, (item.request for item in s.loading))},
+            s.peak_request_pages, s.num_reclaimed_pages,
         )  # fmt: skip
 
     def snapshot(self) -> EngineSnapshot:

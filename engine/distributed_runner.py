@@ -8,6 +8,7 @@ vocabulary-parallel head), but only rank 0 samples, so nothing comes back from t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -37,7 +38,9 @@ class DistributedRunner(ModelRunner):
 
     def run(self, chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
         try:
-            self.parallel.broadcast_object(("run", chunks, all_logits))
+            # A page table may be a view of a request's table: send only its live pages.
+            sent = [dataclasses.replace(c, page_table=_own(c.page_table)) for c in chunks]
+            self.parallel.broadcast_object(("run", sent, all_logits))
             return super().run(chunks, all_logits)
         except RuntimeError as e:  # gloo: a peer closed its socket; name it rather than the socket
             if self.watchdog is not None:
@@ -46,6 +49,10 @@ class DistributedRunner(ModelRunner):
 
     def shutdown(self) -> None:
         self.parallel.broadcast_object(("stop",))
+
+
+def _own(pages: list[int] | torch.Tensor) -> list[int] | torch.Tensor:
+    return pages.clone() if isinstance(pages, torch.Tensor) else pages
 
 
 def serve_worker(model: CausalLM, parallel: ParallelContext, watchdog: Watchdog | None = None) -> int:

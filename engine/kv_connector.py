@@ -1,9 +1,11 @@
 """The KV connector: where pages not found in device memory may be found instead.
 
 The scheduler asks `fetch` for a request's leading full pages missing from the device pool
-(by content hash); the lookup runs off the step thread and the request waits in a loading
-state until `ready()` (or a deadline). `take` then says how many leading pages arrived and
-`load` copies them into freshly allocated device pages. Full pages computed by the engine
+(by content hash), or, for a model whose every layer has a sliding window, `fetch_tail` for
+the pages of the window at the furthest resume point the tiers can serve; the lookup runs
+off the step thread and the request waits in a loading state until `ready()` (or a
+deadline). `take` then says how many pages arrived (from `offset` on) and `load` copies them
+into freshly allocated device pages. Full pages computed by the engine
 are offered to `save` (write-behind: it must never block the step), pages matched in the
 device pool are offered to `touch` (an outer tier keeps them alive), and pages whose device
 memory is about to be reused are offered to `evict` (the host tier keeps a copy).
@@ -16,6 +18,7 @@ while fetching its pages is expected to beat recomputing them, so a Redis answer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 LOOKUP_FLOOR_S = 0.1  # the least wait: covers a local tier's jitter and the step's polling
@@ -38,6 +41,8 @@ def lookup_plan(fetch_s: float, recompute_s: float, cap_s: float) -> tuple[bool,
 
 
 class PendingFetch(Protocol):
+    offset: int  # index, in the hashes the fetch was given, of the first page it loads (a tail's window)
+
     def ready(self) -> bool:
         """The lookup has finished (never blocks)."""
 
@@ -53,6 +58,14 @@ class KVConnector(Protocol):
     def fetch(self, page_hashes: list[bytes], remote: bool = True) -> PendingFetch | None:
         """Start looking up these leading pages; None when there is nowhere to look. Without
         `remote`, only tiers that answer at once (host memory) are asked."""
+
+    def fetch_tail(
+        self, page_hashes: list[bytes], first_needed: Callable[[int], int], beyond: int, remote: bool = True
+    ) -> PendingFetch | None:
+        """For a model whose every layer has a sliding window: look for the furthest resume
+        point k in (beyond, len(page_hashes)] whose window, pages `first_needed(k) .. k - 1`, the
+        tiers hold (`kvstore.prefix.find_tail`), and fetch that window only (`offset` =
+        `first_needed(k)`); nothing when there is none. None when there is nowhere to look."""
 
     def fetch_cost_s(self, num_pages: int) -> float:
         """Expected seconds for a lookup of `num_pages` pages (measured by the tiers)."""
@@ -77,6 +90,11 @@ class NoConnector:
         return 0
 
     def fetch(self, page_hashes: list[bytes], remote: bool = True) -> PendingFetch | None:
+        return None
+
+    def fetch_tail(
+        self, page_hashes: list[bytes], first_needed: Callable[[int], int], beyond: int, remote: bool = True
+    ) -> PendingFetch | None:
         return None
 
     def fetch_cost_s(self, num_pages: int) -> float:

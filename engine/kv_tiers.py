@@ -55,6 +55,15 @@ def kv_namespace(
     )  # fmt: skip
 
 
+def reclaim_window(config: ModelConfig) -> int | None:
+    """The window pages are reclaimed behind: the largest one when every layer has a window;
+    None (keep every page) when any layer attends to the whole context."""
+    windows = config.sliding_windows
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)
+
+
 def build_tiers(
     kv_cache: KVCache,
     namespace: Namespace,
@@ -74,9 +83,11 @@ def build_tiers(
 
 
 def kv_stats(pool: BlockPool, scheduler: Scheduler, store: TieredStore | None) -> dict[str, dict[str, int]]:
-    """Counters of the prefix cache (`prefix`) and, when present, the `host` and `redis` tiers."""
+    """Counters of the prefix cache (`prefix`: with `reclaimed_pages`, released behind a sliding
+    window) and, when present, the `host` and `redis` tiers."""
     out = {"prefix": asdict(pool.counters)}
     out["prefix"]["lookup_timeouts"] = scheduler.num_lookup_timeouts
+    out["prefix"]["reclaimed_pages"] = scheduler.num_reclaimed_pages
     if store is not None:
         out["host"] = asdict(store.host.counters)
         if store.redis is not None:

@@ -16,11 +16,14 @@ from kvstore.spec import KVSpec
 @dataclass(frozen=True)
 class Chunk:
     """One sequence's share of a step: `token_ids` are its next tokens, computed at positions
-    `kv_len - len(token_ids) .. kv_len - 1`; `page_table` holds pages for `kv_len` tokens."""
+    `kv_len - len(token_ids) .. kv_len - 1`; `page_table` holds pages for `kv_len` tokens,
+    from logical page `first_page` on (a sliding window released those before): a list, or
+    an int32 tensor (a request's `PageTable.live()`, used without copying it into Python)."""
 
     token_ids: list[int]
-    page_table: list[int]
+    page_table: list[int] | torch.Tensor
     kv_len: int
+    first_page: int = 0
 
 
 class ModelRunner:
@@ -50,8 +53,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
         """Returns float32 logits: [B, V] for each chunk's last token, or [T, V] for every token."""
-        meta = AttentionMetadata.build(
-            [c.page_table for c in chunks],
+        meta = AttentionMetadata.from_tables(
+            [_table(c.page_table) for c in chunks],
+            [c.first_page for c in chunks],
             [len(c.token_ids) for c in chunks],
             [c.kv_len for c in chunks],
             self.kv_cache.spec.page_size,
@@ -68,3 +72,7 @@ class ModelRunner:
         if decodes and decodes < len(chunks):
             self.num_mixed_steps += 1
         return logits
+
+
+def _table(pages: list[int] | torch.Tensor) -> torch.Tensor:
+    return pages if isinstance(pages, torch.Tensor) else torch.tensor(pages, dtype=torch.int32)

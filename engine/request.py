@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from engine.page_table import PageTable
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -194,7 +195,8 @@ class RequestHandle:
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """Engine-side state. `num_computed` tokens of `all_ids` have their K/V in `pages`."""
+    """Engine-side state. `num_computed` tokens of `all_ids` have their K/V in `pages` (those a
+    sliding window has not released: `pages.first` onwards)."""
 
     id: str
     prompt_ids: list[int]
@@ -203,7 +205,7 @@ class Request:
     cache_salt: str = ""
     matcher: Matcher | None = None
     output_ids: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
+    pages: PageTable = field(default_factory=PageTable)
     num_computed: int = 0
     cached_tokens: int = 0
     num_preemptions: int = 0

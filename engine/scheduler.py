@@ -25,8 +25,21 @@ in the pool's free list) and rejoins `waiting`, taking them back on admission. T
 gives the lookup as long as fetching is expected to beat recomputing (the connector's
 measured cost against `recompute_s`), at most `lookup_timeout_s`; a remote tier is not even
 asked when recomputing is cheaper. Pages matched in the pool or restored into it are
-`touch`ed (the connector keeps their copies alive). Pages that fill up are named by their hash once computed, and
-offered to the connector.
+`touch`ed (the connector keeps their copies alive). Pages that fill up are named by their
+hash once computed, and offered to the connector. (That side lives in
+`engine/scheduler_prefix.py`.)
+
+Sliding windows (`window`: set when every layer of the model has one, to the largest): a
+running request releases its pages older than the window of its next token as it advances
+(after naming them, so they stay revivable in the pool and reach the tiers), holding about
+`window / page_size` pages plus the pages of its current chunk at any length. Its prefix
+lookup then addresses the tail: the resume point is the furthest page boundary whose window
+pages are all in the device pool (`_device_tail`), and the connector (`fetch_tail`) looks
+for a further one and reads only that point's window, never the pages before it.
+
+Per-step work is independent of context length: page tables are appended to and released at
+the front (`PageTable`), page hashes are computed once per page as it fills, and no step walks
+a request's pages.
 """
 
 from __future__ import annotations
@@ -38,12 +51,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
-from engine.kv_connector import KVConnector, NoConnector, PendingFetch, lookup_plan
+from engine.kv_connector import KVConnector, NoConnector
 from engine.request import Request
-from kvstore.block_pool import BlockPool
-from kvstore.prefix import Namespace, hash_page, max_cached_pages
+from engine.scheduler_prefix import SALT_CACHE_SIZE, PrefixLookup, _Loading
 
-SALT_CACHE_SIZE = 4096  # tenants whose salted namespace digest is kept (LRU)
+__all__ = ["SALT_CACHE_SIZE", "ScheduledChunk", "Scheduler"]
+from kvstore.block_pool import BlockPool
+from kvstore.prefix import Namespace
 
 
 class ScheduledChunk(NamedTuple):
@@ -52,13 +66,7 @@ class ScheduledChunk(NamedTuple):
     sample: bool  # the chunk reaches the request's last token: sample its next one
 
 
-class _Loading(NamedTuple):
-    request: Request
-    fetch: PendingFetch
-    deadline: float  # time.monotonic() after which the fetch counts as a miss
-
-
-class Scheduler:
+class Scheduler(PrefixLookup):
     def __init__(
         self,
         pool: BlockPool,
@@ -71,17 +79,22 @@ class Scheduler:
         lookup_timeout_s: float = 5.0,
         max_prefill_tokens_per_request: int | None = None,
         recompute_s: Callable[[int], float] = lambda num_tokens: num_tokens / 1000.0,
+        window: int | None = None,
     ):
         """Args:
         lookup_timeout_s: the longest a request waits for a connector lookup.
         max_prefill_tokens_per_request: a prefill chunk's cap while other requests also have
             prompt tokens to compute (None = half the step budget); alone, a prefill takes the budget.
         recompute_s: expected seconds to prefill this many tokens (`PrefillRate.seconds`).
+        window: the largest sliding window when every layer has one (pages behind it are
+            released as requests advance, and lookups address the tail); None keeps every page.
         """
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if max_prefill_tokens_per_request is not None and max_prefill_tokens_per_request < 1:
             raise ValueError(f"max_prefill_tokens_per_request must be >= 1, got {max_prefill_tokens_per_request}")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 (or None), got {window}")
         self.pool = pool
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -91,6 +104,9 @@ class Scheduler:
         self.connector = connector or NoConnector()
         self.lookup_timeout_s = lookup_timeout_s
         self.recompute_s = recompute_s
+        self.window = window
+        self.num_reclaimed_pages = 0  # pages released behind a sliding window
+        self.peak_request_pages = 0  # most live pages one request held in a step's plan
         self.waiting: list[Request] = []  # by key; none holds pages
         self.running: list[Request] = []  # by key: the last is the first to be preempted
         self.loading: list[_Loading] = []  # waiting for pages from the host or Redis tier
@@ -148,7 +164,8 @@ class Scheduler:
             n = self._make_room(req, min(req.num_tokens - req.num_computed, budget, share), planned, preempted)
             if n == 0:
                 continue
-            req.pages += self.pool.allocate(self._pages_needed(req, n))
+            req.pages.append(self.pool.allocate(self._pages_needed(req, n)))
+            self.peak_request_pages = max(self.peak_request_pages, req.pages.num_live)
             chunks.append(ScheduledChunk(req, n, req.num_computed + n == req.num_tokens))
             planned.add(req)
             budget -= n
@@ -167,7 +184,8 @@ class Scheduler:
             self.waiting.pop(0)
             if self.namespace is not None:
                 self._count_admission(req)
-            req.pages += self.pool.allocate(need)
+            req.pages.append(self.pool.allocate(need))
+            self.peak_request_pages = max(self.peak_request_pages, req.pages.num_live)
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n, req.num_computed + n == req.num_tokens))
             budget -= n
@@ -192,68 +210,8 @@ class Scheduler:
             return 0  # else it waits for a newer planned request to finish or to be preempted
         return n
 
-    # ---- prefix cache ----
-
-    def _page_hashes(self, req: Request, num_pages: int) -> list[bytes]:
-        """The request's page hashes, extended to at least `num_pages` full pages."""
-        assert self.namespace is not None
-        hashes = self._hashes.setdefault(req, [])
-        if len(hashes) < num_pages:
-            ns = self._salted(req.cache_salt)
-            ps = self.page_size
-            for i in range(len(hashes), num_pages):
-                hashes.append(hash_page(hashes[i - 1] if i else b"", req.tokens(i * ps, (i + 1) * ps), ns))
-        return hashes
-
-    def _salted(self, cache_salt: str) -> bytes:
-        """The tenant's namespace digest, from a bounded LRU (one entry per recent tenant)."""
-        assert self.namespace is not None
-        ns = self._salts.get(cache_salt)
-        if ns is not None:
-            self._salts.move_to_end(cache_salt)
-            return ns
-        ns = self._salts[cache_salt] = self.namespace.salted(cache_salt)
-        if len(self._salts) > SALT_CACHE_SIZE:
-            self._salts.popitem(last=False)
-        return ns
-
-    def _match_prefix(self, req: Request) -> bool:
-        """Share the request's cached leading pages; returns True when it is parked for a fetch."""
-        assert not req.pages and req.num_computed == 0
-        if self.namespace is None:
-            return False
-        limit = max_cached_pages(req.num_tokens, self.page_size)
-        hashes = self._page_hashes(req, limit)[:limit]
-        req.pages = self.pool.match(hashes)
-        if req.pages:
-            self.connector.touch(hashes[: len(req.pages)], req.pages)
-        req.num_computed = len(req.pages) * self.page_size
-        self._named[req] = len(req.pages)
-        if req in self._looked_up or len(req.pages) >= limit:
-            return False
-        self._looked_up.add(req)
-        n = limit - len(req.pages)
-        cost = self.connector.fetch_cost_s(n)
-        remote, wait = lookup_plan(cost, self.recompute_s(n * self.page_size), self.lookup_timeout_s)
-        fetch = self.connector.fetch(hashes[len(req.pages) :], remote=remote)
-        if fetch is not None and not fetch.ready():
-            self.loading.append(_Loading(req, fetch, time.monotonic() + wait))
-            return True
-        self._complete(req, fetch, expired=False)
-        return False
-
-    def _count_admission(self, req: Request) -> None:
-        counters = self.pool.counters
-        counters.queries += 1
-        if req.num_computed:
-            counters.hits += 1
-            counters.hit_tokens += req.num_computed
-        if req.num_preemptions == 0:
-            req.cached_tokens = req.num_computed
-
     def _release(self, req: Request) -> None:
-        self.pool.free(req.pages)  # named pages stay revivable in the free list
-        req.pages = []
+        self.pool.free(req.pages.clear())  # named pages stay revivable in the free list
         req.num_computed = 0
         self._named.pop(req, None)
 
@@ -264,49 +222,23 @@ class Scheduler:
             if ready or now >= item.deadline:
                 self.loading.remove(item)
                 self.num_lookup_timeouts += not ready
-                self._complete(item.request, item.fetch, expired=not ready)
+                self._complete(item.request, item.fetch, expired=not ready, start=item.start)
                 # Back to waiting without pages (else a request put before it could wait forever
                 # for them); its pages keep their names and come back by hash on admission.
                 self._release(item.request)
                 self._enqueue(item.request)
 
-    def _complete(self, req: Request, fetch: PendingFetch | None, expired: bool) -> None:
-        if fetch is not None:
-            n = min(fetch.take(expired), self.pool.num_free)
-            pages = self.pool.allocate(n)
-            fetch.load(pages)
-            hashes = self._hashes[req]
-            start = len(req.pages)
-            named_hashes, named_pages = [], []
-            for i, page in enumerate(pages):
-                if self.pool.register(page, hashes[start + i]):
-                    named_hashes.append(hashes[start + i])
-                    named_pages.append(page)
-            if named_pages:  # restored pages are used again, like matched ones
-                self.connector.touch(named_hashes, named_pages)
-            req.pages += pages
-            req.num_computed = len(req.pages) * self.page_size
-            self._named[req] = len(req.pages)
-
     def computed(self, reqs: list[Request]) -> None:
-        """After a step: name the pages that became full and offer them to the connector."""
-        if self.namespace is None:
-            return
-        new_hashes: list[bytes] = []
-        new_pages: list[int] = []
-        for req in reqs:
-            full = req.num_computed // self.page_size
-            start = self._named.get(req, 0)
-            if full <= start:
-                continue
-            hashes = self._page_hashes(req, full)
-            for i in range(start, full):
-                if self.pool.register(req.pages[i], hashes[i]):
-                    new_hashes.append(hashes[i])
-                    new_pages.append(req.pages[i])
-            self._named[req] = full
-        if new_pages:
-            self.connector.save(new_hashes, new_pages)
+        """After a step: name the pages that became full and offer them to the connector; with a
+        window, release the pages the requests' next tokens no longer read."""
+        if self.namespace is not None:
+            self._name_full_pages(reqs)
+        if self.window is not None:
+            for req in reqs:
+                released = req.pages.release_front(self.first_needed(req.num_computed))
+                if released:
+                    self.pool.free(released)
+                    self.num_reclaimed_pages += len(released)
 
     def finish(self, req: Request) -> None:
         """Release a finished or aborted request's pages, wherever it is."""

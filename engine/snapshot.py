@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +17,11 @@ class EngineSnapshot:
         free_pages, total_pages: device KV pages (free ones include cached, revivable pages).
         preemptions: requests preempted so far.
         prompt_tokens_computed, generated_tokens, finished, steps: counters since start.
+        request_pages: per running or loading request id, the device pages it holds (a
+            windowed model's requests release those behind the window).
+        peak_request_pages: the most device pages one request held during any step so far
+            (counted when a step's pages were allocated: a prefill chunk's pages included).
+        reclaimed_pages: pages released behind a sliding window so far.
     """
 
     running: int = 0
@@ -30,3 +35,11 @@ class EngineSnapshot:
     generated_tokens: int = 0
     finished: int = 0
     steps: int = 0
+    request_pages: dict[str, int] = field(default_factory=dict)
+    peak_request_pages: int = 0
+    reclaimed_pages: int = 0
+
+    @property
+    def held_pages(self) -> int:
+        """Device pages referenced by requests (free ones, cached or not, excluded)."""
+        return self.total_pages - self.free_pages

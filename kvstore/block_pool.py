@@ -24,6 +24,7 @@ class PrefixCounters:
     queries: int = 0  # requests matched against the table
     hits: int = 0  # requests that found at least one page
     hit_tokens: int = 0  # tokens whose pages were found
+    skipped_tokens: int = 0  # tokens neither found nor computed: behind a sliding window's resume point
     evicted: int = 0  # hashed pages whose memory was reused
 
 

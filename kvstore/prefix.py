@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -92,3 +93,28 @@ def max_cached_pages(num_tokens: int, page_size: int) -> int:
     """Pages a prompt may take from a cache: the last token is always computed (its logits
     are needed), so at most floor((num_tokens - 1) / page_size)."""
     return max(0, (num_tokens - 1) // page_size)
+
+
+def find_tail(
+    num_pages: int, first_needed: Callable[[int], int], present: Callable[[int], bool], beyond: int = 0
+) -> int:
+    """The furthest resume point k in (beyond, num_pages] whose window, pages
+    `first_needed(k) .. k - 1`, are all `present`; `beyond` when there is none.
+
+    For a model whose every layer has a sliding window, a prompt resumed after k pages needs only
+    those pages (hashes name a page by the token ids before it, not by its KV), so a cache may
+    hold a conversation's tail without its head. Walks runs of present pages back from
+    `num_pages`: the probes are the pages after the resume point plus its window. `first_needed`
+    must be non-decreasing with `first_needed(k) < k`.
+    """
+    b = num_pages
+    while b > beyond:
+        a = b
+        while a > 0 and present(a - 1):
+            a -= 1
+        if a < b and (a == 0 or first_needed(b) >= a):
+            return b
+        b = a - 1  # page a - 1 is missing: the previous run ends before it
+        while b > beyond and not present(b - 1):
+            b -= 1
+    return beyond

@@ -159,6 +159,20 @@ class RedisTier:
             return n
         return n
 
+    def exists(self, page_hashes: list[bytes]) -> list[bool]:
+        """Which of these pages exist (pipelined EXISTS; values not read); on an error, the rest
+        count as missing (the tier's health is left to the real lookups)."""
+        found: list[bool] = []
+        try:
+            for start in range(0, len(page_hashes), KEYS_PER_PIPELINE):
+                pipe = self._reader.pipeline(transaction=False)
+                for h in page_hashes[start : start + KEYS_PER_PIPELINE]:
+                    pipe.exists(self.key(h))
+                found += [bool(n) for n in pipe.execute()]
+        except redis.RedisError:
+            pass
+        return found + [False] * (len(page_hashes) - len(found))
+
     def close(self) -> None:
         self.writer.close()
         self._reader.close()

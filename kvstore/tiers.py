@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,7 +26,10 @@ import torch
 
 from kvstore.codec import PageCodec
 from kvstore.kv_cache import KVCache
+from kvstore.prefix import find_tail
 from kvstore.redis_tier import RedisTier
+
+PROBE_BATCH = 512  # pages whose presence a tail lookup asks about at once (one pipelined EXISTS)
 
 
 @dataclass(slots=True)
@@ -94,6 +98,7 @@ class _Fetch:
         self.arrived: list[bytes] = []  # appended by the lookup thread
         self.cancel = threading.Event()
         self.payloads: list[bytes] = []
+        self.offset = 0  # a tail fetch: index of its first page in the hashes it was given
 
     def ready(self) -> bool:
         return self.remote is None or self.remote.done()
@@ -150,6 +155,53 @@ class TieredStore:
         if rest and remote and self.redis is not None and self._lookups is not None and self.redis.readable():
             fetch.remote = self._lookups.submit(self.redis.get_prefix, rest, fetch.arrived, fetch.cancel)
         return fetch
+
+    def fetch_tail(
+        self, page_hashes: list[bytes], first_needed: Callable[[int], int], beyond: int, remote: bool = True
+    ) -> _Fetch | None:
+        """The window of the furthest resume point whose pages the host tier or Redis hold
+        (`find_tail`, probing back from the end: host membership, then Redis EXISTS in
+        pipelined batches), then those pages only, as `fetch` would read them. With Redis it
+        all runs on the lookup thread; host memory alone answers at once."""
+        use_redis = remote and self.redis is not None and self._lookups is not None and self.redis.readable()
+        if not page_hashes or (self.host.budget_bytes == 0 and not use_redis):
+            return None
+        fetch = _Fetch(self, [])
+        if use_redis:
+            assert self._lookups is not None
+            fetch.remote = self._lookups.submit(self._fetch_tail, fetch, page_hashes, first_needed, beyond, True)
+        else:
+            self._fetch_tail(fetch, page_hashes, first_needed, beyond, False)
+        return fetch
+
+    def _fetch_tail(
+        self, fetch: _Fetch, hashes: list[bytes], first_needed: Callable[[int], int], beyond: int, remote: bool
+    ) -> None:
+        redis = self.redis if remote else None
+        known: dict[int, bool] = {}
+
+        def present(i: int) -> bool:
+            if i not in known:  # probe this page and up to a batch before it (the walk goes back)
+                lo = max(0, i + 1 - PROBE_BATCH)
+                batch = hashes[lo : i + 1]
+                found = [self.host.count_prefix([h]) == 1 for h in batch]
+                if redis is not None and not fetch.cancel.is_set():
+                    missing = [j for j, f in enumerate(found) if not f]
+                    for j, f in zip(missing, redis.exists([batch[j] for j in missing]), strict=True):
+                        found[j] = f
+                known.update(zip(range(lo, i + 1), found, strict=True))
+            return known[i]
+
+        end = find_tail(len(hashes), first_needed, present, beyond)
+        if end <= beyond or fetch.cancel.is_set():
+            return
+        start = first_needed(end)
+        window = hashes[start:end]
+        fetch.offset = start
+        fetch.host = self.host.get_prefix(window)
+        rest = window[len(fetch.host) :]
+        if rest and redis is not None:
+            redis.get_prefix(rest, fetch.arrived, fetch.cancel)
 
     def fetch_cost_s(self, num_pages: int) -> float:
         """Expected seconds for a lookup of `num_pages` pages (as if all came from Redis)."""

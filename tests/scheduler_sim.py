@@ -4,7 +4,8 @@
 token, appends a token id that depends only on (request, output position), so a recomputed
 request produces the same ids. Every step checks what `AttentionMetadata.build` and the
 page pool rely on: each chunk's request is running and holds pages for `num_computed + n`
-tokens, no request appears twice, waiting requests hold no pages, and every page's reference
+tokens (with a window: the pages its queries read are live, and no more than the window and the
+chunk need), no request appears twice, waiting requests hold no pages, and every page's reference
 count equals the number of requests holding it.
 
 `FakeConnector` stands in for the host and Redis tiers: it "has" the pages saved to it (or a
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.request import Request, RequestHandle
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
 from kvstore.block_pool import BlockPool
-from kvstore.prefix import Namespace
+from kvstore.prefix import Namespace, find_tail
 
 NS = Namespace("SimForCausalLM", "ab" * 16, "float32", "float32", 16)
 
@@ -35,6 +37,7 @@ class FakeFetch:
     fail: bool  # the lookup errors out: nothing arrives
     loaded: int = 0
     taken: bool = False
+    offset: int = 0
 
     def ready(self) -> bool:
         self.polls -= 1
@@ -74,6 +77,18 @@ class FakeConnector:
         fail = self.fail_every > 0 and (len(self.fetches) + 1) % self.fail_every == 0
         f = FakeFetch(self._leading(page_hashes), self.polls, fail)
         self.fetches.append(f)
+        return f
+
+    def fetch_tail(
+        self, page_hashes: list[bytes], first_needed: Callable[[int], int], beyond: int, remote: bool = True
+    ) -> FakeFetch | None:
+        """The window of the furthest resume point whose pages it has (`find_tail`)."""
+        assert remote, "the Sim never finds recomputing cheaper"
+        end = find_tail(len(page_hashes), first_needed, lambda i: page_hashes[i] in self.has, beyond)
+        start = first_needed(end) if end > beyond else 0
+        f = self.fetch(page_hashes[start:end] if end > beyond else [], remote)
+        assert f is not None
+        f.offset = start
         return f
 
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
@@ -159,6 +174,12 @@ class Sim:
             assert c.num_tokens >= 1
             assert req.num_computed + c.num_tokens <= req.num_tokens
             assert len(req.pages) * self.page_size >= req.num_computed + c.num_tokens, f"{req.id} lacks pages"
+            # The pages the chunk's queries read are live (a window released only older ones) ...
+            assert req.pages.first <= self.sched.first_needed(req.num_computed), f"{req.id} lost a window page"
+            window = self.sched.window
+            if window is not None:  # ... and no more are held than the window and the chunk cover
+                bound = -(-(window + c.num_tokens - 1) // self.page_size) + 1
+                assert req.pages.num_live <= bound, f"{req.id} holds {req.pages.num_live} pages > {bound}"
             assert c.sample == (req.num_computed + c.num_tokens == req.num_tokens)
 
     def holders(self) -> list[Request]:

@@ -1,7 +1,8 @@
 """Randomized interleavings of the scheduler (hypothesis), driven by a stand-in runner.
 
 Over pool sizes, budgets, page sizes, arrival orders, prompt lengths and shared prefixes,
-priorities, tenants, aborts and a slow or failing connector: every request finishes with
+priorities, tenants, aborts, sliding windows (pages released behind them, lookups at the tail)
+and a slow or failing connector: every request finishes with
 exactly its `max_tokens` ids (the ids it would produce alone) unless the test aborted it; no
 plan references a preempted request or one short of pages (checked every step by `Sim`); no
 stall (bounded steps); every page reference comes back. The scenarios must actually exercise
@@ -43,6 +44,7 @@ class Scenario:
     timeout_s: float
     seeded_pages: int  # leading pages of the common prefix the connector has from the start
     arrivals: list[Arrival]
+    window: int | None = None  # every layer's sliding window: pages behind it are released
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -89,10 +91,11 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         timeout_s=draw(st.sampled_from([0.0, 1e9])),
         seeded_pages=draw(st.integers(0, num_pages)),
         arrivals=arrivals,
+        window=draw(st.sampled_from([None, None, None, 1, 3, 7, 16])),
     )
 
 
-STATS = {"examples": 0, "preempted": 0, "concurrent": 0}
+STATS = {"examples": 0, "preempted": 0, "concurrent": 0, "reclaimed": 0, "tail": 0}
 
 
 def run_scenario(sc: Scenario) -> Sim:
@@ -104,12 +107,17 @@ def run_scenario(sc: Scenario) -> Sim:
         max_prefill_tokens_per_request=sc.prefill_share,
         connector=sc.connector,
         lookup_timeout_s=sc.timeout_s,
+        window=sc.window,
     )
     if not sc.caching:
         sim.sched.namespace = None
     elif sc.connector is not None and sim.sched.namespace is not None:
         ns = sim.sched.namespace.digest
-        sc.connector.has.update(page_hashes(sc.arrivals[0].prompt, sc.page_size, ns)[: sc.seeded_pages])
+        seeded = page_hashes(sc.arrivals[0].prompt, sc.page_size, ns)
+        # Windowed: the connector may hold a tail without the pages before it (resume at the tail).
+        sc.connector.has.update(
+            seeded[-sc.seeded_pages :] if sc.window and sc.seeded_pages else seeded[: sc.seeded_pages]
+        )
     pending = sorted(enumerate(sc.arrivals), key=lambda a: a[1].step)
     total = sum(len(a.prompt) + a.max_tokens for a in sc.arrivals)
     max_steps = 50 * total + 100
@@ -154,14 +162,21 @@ def _random_interleavings(sc: Scenario) -> None:
     if sim.max_running > 1:
         event("concurrent>1")
         STATS["concurrent"] += 1
+    if sim.sched.num_reclaimed_pages:
+        event("reclaimed")
+        STATS["reclaimed"] += 1
+    if sim.pool.counters.skipped_tokens:  # resumed at a tail, pages before its window skipped
+        event("tail")
+        STATS["tail"] += 1
 
 
 def test_random_interleavings() -> None:
     """The scenarios must exercise the interactions: a scheduler that never preempts (or runs
     one request at a time) fails here even if every request finishes."""
-    STATS.update(examples=0, preempted=0, concurrent=0)
+    STATS.update(examples=0, preempted=0, concurrent=0, reclaimed=0, tail=0)
     _random_interleavings()
     n = STATS["examples"]
     assert n >= EXAMPLES // 2, STATS
     assert STATS["preempted"] >= 0.2 * n, STATS
     assert STATS["concurrent"] > 0.5 * n, STATS
+    assert STATS["reclaimed"] >= 0.1 * n and STATS["tail"] >= 0.01 * n, STATS

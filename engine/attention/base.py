@@ -3,14 +3,17 @@
 A step's batch is flat: T tokens from B sequences, sequence b owning tokens
 `qo_indptr[b]:qo_indptr[b+1]`, each sequence prefilling a chunk or decoding one token.
 Its KV pages are `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`, the last one filled to
-`kv_last_page_len[b]` (new tokens included: they are written before attention runs).
+`kv_last_page_len[b]` (new tokens included: they are written before attention runs). A
+sequence whose sliding window has left its first pages behind lists only the pages from
+`first_pages[b]` on: counted from there, its keys and queries keep their relative offsets, so
+causal and window masks are unchanged.
 This is FlashInfer's paged-KV description, so its wrappers can be planned from it as is.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +34,9 @@ class AttentionMetadata:
             `[num_pages * 2 * page_size, KVH, D]` (its V row is `page_size` further).
         q_lens, kv_lens: host copies (new tokens, and total tokens after this step) per sequence.
         page_size: tokens per page.
+        first_pages: per sequence, leading logical pages left out of `kv_indices` (released by
+            a sliding window); its pages in `kv_indices` start at logical page `first_pages[b]`.
+            Positions stay absolute; a backend counts a sequence's keys from there.
     """
 
     qo_indptr: torch.Tensor
@@ -44,6 +50,11 @@ class AttentionMetadata:
     q_lens: list[int]
     kv_lens: list[int]
     page_size: int
+    first_pages: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.first_pages:
+            self.first_pages = [0] * len(self.q_lens)
 
     @classmethod
     def build(
@@ -54,52 +65,78 @@ class AttentionMetadata:
         page_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """Describe a batch from plain Python page tables.
+        """Describe a batch from plain Python page tables (every page from the first).
 
         Args:
             page_tables: per sequence, its page ids (enough pages for `kv_lens[b]` tokens).
             q_lens: per sequence, tokens computed this step (the last `q_lens[b]` of its context).
             kv_lens: per sequence, context length after this step.
         """
-        assert len(page_tables) == len(q_lens) == len(kv_lens)
-        positions: list[int] = []
-        slot_pages: list[int] = []
-        slot_offsets: list[int] = []
-        kv_indices: list[int] = []
-        kv_indptr = [0]
-        qo_indptr = [0]
-        last_lens = []
-        for table, q, kv in zip(page_tables, q_lens, kv_lens, strict=True):
+        tables = [torch.tensor(t, dtype=torch.int32) for t in page_tables]
+        return cls.from_tables(tables, [0] * len(tables), q_lens, kv_lens, page_size, device)
+
+    @classmethod
+    def from_tables(
+        cls,
+        tables: list[torch.Tensor],
+        first_pages: list[int],
+        q_lens: list[int],
+        kv_lens: list[int],
+        page_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Describe a batch from each sequence's live pages, in O(sequences) Python work: the
+        page ids and positions are sliced and computed by tensor operations, never walked.
+
+        Args:
+            tables: per sequence, int32 page ids of its logical pages `first_pages[b] ..` (at
+                least up to the page of token `kv_lens[b] - 1`; more are ignored).
+            first_pages: per sequence, leading logical pages not in its table (released by a
+                sliding window: no query of this step may reach them).
+            q_lens, kv_lens: as in `build`.
+        """
+        B = len(tables)
+        assert len(first_pages) == len(q_lens) == len(kv_lens) == B
+        S = page_size
+        n_live = []
+        for table, first, q, kv in zip(tables, first_pages, q_lens, kv_lens, strict=True):
             assert 0 < q <= kv, (q, kv)
-            n_pages = -(-kv // page_size)
-            assert len(table) >= n_pages, f"page table holds {len(table)} pages, {n_pages} needed"
-            for pos in range(kv - q, kv):
-                positions.append(pos)
-                slot_pages.append(table[pos // page_size])
-                slot_offsets.append(pos % page_size)
-            kv_indices.extend(table[:n_pages])
-            kv_indptr.append(len(kv_indices))
-            qo_indptr.append(qo_indptr[-1] + q)
-            last_lens.append(kv - (n_pages - 1) * page_size)
-
-        def i32(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int32, device=device)
-
-        def i64(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
+            n = -(-kv // S) - first
+            assert n >= 1 and table.numel() >= n, f"page table holds {table.numel()} live pages, {n} needed"
+            n_live.append(n)
+        kv_indices = (
+            torch.cat([t[:n] for t, n in zip(tables, n_live, strict=True)]) if B > 1 else tables[0][: n_live[0]]
+        )
+        counts = torch.tensor([n_live, q_lens, kv_lens, first_pages], dtype=torch.int64)  # [4, B]
+        kv_indptr = torch.zeros(B + 1, dtype=torch.int32)
+        torch.cumsum(counts[0], 0, out=kv_indptr[1:])
+        qo_indptr = torch.zeros(B + 1, dtype=torch.int32)
+        torch.cumsum(counts[1], 0, out=qo_indptr[1:])
+        q_t, kv_t = counts[1], counts[2]
+        T = int(sum(q_lens))
+        if T == B:  # every sequence computes one token
+            positions = kv_t - 1
+            seq_page0 = kv_indptr[:-1].to(torch.int64) - counts[3]
+        else:
+            seq = torch.repeat_interleave(torch.arange(B), q_t)  # [T] sequence of each token
+            positions = torch.arange(T) - qo_indptr[:-1].to(torch.int64)[seq] + (kv_t - q_t)[seq]
+            seq_page0 = (kv_indptr[:-1].to(torch.int64) - counts[3])[seq]
+        slot_pages = kv_indices[seq_page0 + positions // S].to(torch.int64)
+        slot_offsets = positions % S
+        last_lens = kv_t - (-(-kv_t // S) - 1) * S
         return cls(
-            qo_indptr=i32(qo_indptr),
-            kv_indptr=i32(kv_indptr),
-            kv_indices=i32(kv_indices),
-            kv_last_page_len=i32(last_lens),
-            positions=i64(positions),
-            slot_pages=i64(slot_pages),
-            slot_offsets=i64(slot_offsets),
-            kv_slots=i64([p * 2 * page_size + o for p, o in zip(slot_pages, slot_offsets, strict=True)]),
+            qo_indptr=qo_indptr.to(device),
+            kv_indptr=kv_indptr.to(device),
+            kv_indices=kv_indices.to(device),
+            kv_last_page_len=last_lens.to(torch.int32).to(device),
+            positions=positions.to(device),
+            slot_pages=slot_pages.to(device),
+            slot_offsets=slot_offsets.to(device),
+            kv_slots=(slot_pages * (2 * S) + slot_offsets).to(device),
             q_lens=list(q_lens),
             kv_lens=list(kv_lens),
             page_size=page_size,
+            first_pages=list(first_pages),
         )
 
     @property

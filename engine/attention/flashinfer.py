@@ -85,7 +85,9 @@ class FlashInferBackend(AttentionBackend):
         self.meta = meta
         self.decode_only = all(q == 1 for q in meta.q_lens)
         S = meta.page_size
-        pages = [-(-kv // S) for kv in meta.kv_lens]
+        # A sequence whose window released its first pages lists the rest: FlashInfer counts its
+        # keys from there, and causal and window masks depend only on relative offsets.
+        pages = [-(-kv // S) - first for kv, first in zip(meta.kv_lens, meta.first_pages, strict=True)]
         qo_indptr, kv_indptr = [0], [0]
         for q, n in zip(meta.q_lens, pages, strict=True):
             qo_indptr.append(qo_indptr[-1] + q)
@@ -93,9 +95,7 @@ class FlashInferBackend(AttentionBackend):
         self._host = {
             "qo_indptr": torch.tensor(qo_indptr, dtype=torch.int32),
             "kv_indptr": torch.tensor(kv_indptr, dtype=torch.int32),
-            "last_page_len": torch.tensor(
-                [kv - (n - 1) * S for kv, n in zip(meta.kv_lens, pages, strict=True)], dtype=torch.int32
-            ),
+            "last_page_len": torch.tensor([kv - (-(-kv // S) - 1) * S for kv in meta.kv_lens], dtype=torch.int32),
         }
         self._planned = {}
         if self.dtypes is not None:

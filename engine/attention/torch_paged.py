@@ -25,7 +25,8 @@ class _Seq:
     q_start: int
     q_len: int
     kv_len: int
-    pages: list[int]  # the sequence's pages, enough for kv_len tokens
+    pages: torch.Tensor  # int32, the sequence's live pages: logical pages first_page .. (enough for kv_len)
+    first_page: int  # logical pages released before `pages` (a sliding window left them behind)
 
 
 @dataclass
@@ -53,14 +54,14 @@ class TorchPagedBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> None:
         self.meta = meta
         self.page_size = meta.page_size
-        kv_indptr = meta.kv_indptr.tolist()
-        indices = meta.kv_indices.tolist()
+        kv_indptr = meta.kv_indptr.tolist()  # B + 1 entries: no per-page Python work
         qo = meta.qo_indptr.tolist()
         self.device = meta.kv_indices.device
         self.prefills: list[_Seq] = []
         self.decodes: list[_Seq] = []
         for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens, strict=True)):
-            seq = _Seq(qo[b], q_len, kv_len, indices[kv_indptr[b] : kv_indptr[b + 1]])
+            pages = meta.kv_indices[kv_indptr[b] : kv_indptr[b + 1]]
+            seq = _Seq(qo[b], q_len, kv_len, pages, meta.first_pages[b])
             (self.decodes if q_len == 1 else self.prefills).append(seq)
         # Every row decodes: q is the decode group's queries as is, no gather or scatter.
         self.all_decode = not self.prefills
@@ -71,23 +72,36 @@ class TorchPagedBackend(AttentionBackend):
         )
         self._reads: dict[int | None, tuple[_Read | None, list[_Read]]] = {}
 
-    def _rows(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.tensor(pages, dtype=torch.int64, device=self.device) * 2
+    @staticmethod
+    def _rows(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = pages.to(torch.int64) * 2
         return k, k + 1
+
+    def _first_page(self, s: _Seq, q_start_pos: int, window: int | None) -> int:
+        """The first logical page a read of `s` needs; it must not have been released."""
+        first = _first_token(q_start_pos, window) // self.page_size
+        if first < s.first_page:
+            raise RuntimeError(
+                f"attention (window {window}) needs page {first} of a sequence whose pages before "
+                f"{s.first_page} were released"
+            )
+        return first
 
     def _decode_read(self, window: int | None) -> _Read:
         S = self.page_size
-        firsts = [_first_token(s.kv_len - 1, window) // S for s in self.decodes]  # first page read
+        firsts = [self._first_page(s, s.kv_len - 1, window) for s in self.decodes]  # first page read
         if len(self.decodes) == 1:
             s, first = self.decodes[0], firsts[0]
-            k, v = self._rows(s.pages[first:])
+            k, v = self._rows(s.pages[first - s.first_page :])
             start = _first_token(s.kv_len - 1, window) - first * S
-            return _Read(k, v, len(s.pages) - first, start, s.kv_len - first * S - start, None, False)
-        n = max(len(s.pages) - f for s, f in zip(self.decodes, firsts, strict=True))
-        padded = []
-        for s, f in zip(self.decodes, firsts, strict=True):
-            padded += s.pages[f:] + [0] * (n - (len(s.pages) - f))
-        k, v = self._rows(padded)
+            n = len(s.pages) - (first - s.first_page)
+            return _Read(k, v, n, start, s.kv_len - first * S - start, None, False)
+        counts = [len(s.pages) - (f - s.first_page) for s, f in zip(self.decodes, firsts, strict=True)]
+        n = max(counts)
+        padded = torch.zeros(len(self.decodes), n, dtype=torch.int32, device=self.device)
+        for i, (s, f, c) in enumerate(zip(self.decodes, firsts, counts, strict=True)):
+            padded[i, :c] = s.pages[f - s.first_page :]
+        k, v = self._rows(padded.view(-1))
         offs = torch.tensor([f * S for f in firsts], device=self.device)[:, None]  # [B, 1]
         kv_pos = offs + torch.arange(n * S, device=self.device)[None, :]  # [B, L]
         q_pos = torch.tensor([s.kv_len - 1 for s in self.decodes], device=self.device)[:, None]
@@ -98,8 +112,8 @@ class TorchPagedBackend(AttentionBackend):
 
     def _prefill_read(self, s: _Seq, window: int | None) -> _Read:
         S = self.page_size
-        first = _first_token(s.kv_len - s.q_len, window) // S
-        k, v = self._rows(s.pages[first:])
+        first = self._first_page(s, s.kv_len - s.q_len, window)
+        k, v = self._rows(s.pages[first - s.first_page :])
         length = s.kv_len - first * S
         causal = s.q_len == s.kv_len and (window is None or s.kv_len <= window)
         mask = None
@@ -109,7 +123,7 @@ class TorchPagedBackend(AttentionBackend):
             mask = kv_pos <= q_pos
             if window is not None:
                 mask &= kv_pos > q_pos - window
-        return _Read(k, v, len(s.pages) - first, 0, length, mask, causal)
+        return _Read(k, v, len(s.pages) - (first - s.first_page), 0, length, mask, causal)
 
     def _reads_for(self, window: int | None) -> tuple[_Read | None, list[_Read]]:
         """Per window (layers share them): the decode group's read and each prefill's."""

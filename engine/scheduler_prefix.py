@@ -1,0 +1,200 @@
+"""The scheduler's prefix-cache side: page hashes, matching a request's cached pages (leading
+ones, or for an all-windowed model the window at its tail) in the device pool and through
+the KV connector, loading what a lookup fetched, and naming pages as they fill.
+
+Hashes are computed once per page, when the page is first needed (admission) or fills (after
+a step); nothing here walks a request's pages per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import NamedTuple
+
+from engine.kv_connector import KVConnector, PendingFetch, lookup_plan
+from engine.page_table import PageTable
+from engine.request import Request
+from kvstore.block_pool import BlockPool
+from kvstore.prefix import Namespace, find_tail, hash_page, max_cached_pages
+
+SALT_CACHE_SIZE = 4096  # tenants whose salted namespace digest is kept (LRU)
+
+
+class _Loading(NamedTuple):
+    request: Request
+    fetch: PendingFetch
+    deadline: float  # time.monotonic() after which the fetch counts as a miss
+    start: int  # index in the request's page hashes of the first hash the fetch was given
+
+
+class PrefixLookup:
+    """Mixed into `Scheduler`, whose state it reads and updates."""
+
+    pool: BlockPool
+    page_size: int
+    namespace: Namespace | None
+    connector: KVConnector
+    lookup_timeout_s: float
+    recompute_s: Callable[[int], float]
+    window: int | None
+    loading: list[_Loading]
+    _hashes: dict[Request, list[bytes]]
+    _named: dict[Request, int]
+    _looked_up: set[Request]
+    _salts: OrderedDict[str, bytes]
+
+    def _release(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def _page_hashes(self, req: Request, num_pages: int) -> list[bytes]:
+        """The request's page hashes, extended to at least `num_pages` full pages."""
+        assert self.namespace is not None
+        hashes = self._hashes.setdefault(req, [])
+        if len(hashes) < num_pages:
+            ns = self._salted(req.cache_salt)
+            ps = self.page_size
+            for i in range(len(hashes), num_pages):
+                hashes.append(hash_page(hashes[i - 1] if i else b"", req.tokens(i * ps, (i + 1) * ps), ns))
+        return hashes
+
+    def _salted(self, cache_salt: str) -> bytes:
+        """The tenant's namespace digest, from a bounded LRU (one entry per recent tenant)."""
+        assert self.namespace is not None
+        ns = self._salts.get(cache_salt)
+        if ns is not None:
+            self._salts.move_to_end(cache_salt)
+            return ns
+        ns = self._salts[cache_salt] = self.namespace.salted(cache_salt)
+        if len(self._salts) > SALT_CACHE_SIZE:
+            self._salts.popitem(last=False)
+        return ns
+
+    def first_needed(self, position: int) -> int:
+        """The first logical page a query at `position` (or later) reads: 0 without a window."""
+        if self.window is None:
+            return 0
+        return max(0, position - self.window + 1) // self.page_size
+
+    def _match_prefix(self, req: Request) -> bool:
+        """Share the request's cached pages; returns True when it is parked for a fetch."""
+        assert not req.pages and req.num_computed == 0
+        if self.namespace is None:
+            return False
+        limit = max_cached_pages(req.num_tokens, self.page_size)
+        hashes = self._page_hashes(req, limit)
+        if self.window is not None:
+            return self._match_tail(req, hashes, limit)
+        req.pages = PageTable(self.pool.match(hashes[:limit]))
+        found = len(req.pages)
+        if found:
+            self.connector.touch(hashes[:found], list(req.pages))
+        req.num_computed = found * self.page_size
+        self._named[req] = found
+        if req in self._looked_up or found >= limit:
+            return False
+        self._looked_up.add(req)
+        n = limit - found
+        cost = self.connector.fetch_cost_s(n)
+        remote, wait = lookup_plan(cost, self.recompute_s(n * self.page_size), self.lookup_timeout_s)
+        fetch = self.connector.fetch(hashes[found:limit], remote=remote)
+        if fetch is not None and not fetch.ready():
+            self.loading.append(_Loading(req, fetch, time.monotonic() + wait, found))
+            return True
+        self._complete(req, fetch, expired=False, start=found)
+        return False
+
+    def _match_tail(self, req: Request, hashes: list[bytes], limit: int) -> bool:
+        """A windowed model's lookup: resume at the furthest point whose window pages are at hand
+        (device pool first); ask the connector for a further one, fetching only its window."""
+        k = self._device_tail(hashes, limit)
+        self._take_tail(req, hashes, k)
+        if req in self._looked_up or k >= limit:
+            return False
+        self._looked_up.add(req)
+        S = self.page_size
+        window_pages = limit - max(k, self.first_needed(limit * S))
+        cost = self.connector.fetch_cost_s(window_pages)
+        remote, wait = lookup_plan(cost, self.recompute_s((limit - k) * S), self.lookup_timeout_s)
+        fetch = self.connector.fetch_tail(hashes[:limit], lambda n: self.first_needed(n * S), k, remote=remote)
+        if fetch is not None and not fetch.ready():
+            self.loading.append(_Loading(req, fetch, time.monotonic() + wait, 0))
+            return True
+        if fetch is not None:
+            self._complete(req, fetch, expired=False, start=0)
+            self._release(req)  # the fetched pages are named in the pool now: match again
+            self._take_tail(req, hashes, self._device_tail(hashes, limit))
+        return False
+
+    def _device_tail(self, hashes: list[bytes], limit: int, beyond: int = 0) -> int:
+        """The furthest resume point (in pages, at most `limit`) whose window pages are all in
+        the device pool: O(window + pages after it) lookups."""
+        cached, S = self.pool.cached, self.page_size
+        return find_tail(limit, lambda k: self.first_needed(k * S), lambda i: hashes[i] in cached, beyond)
+
+    def _take_tail(self, req: Request, hashes: list[bytes], k: int) -> None:
+        """Share the window pages of resume point `k` (all in the pool) and resume there."""
+        first = self.first_needed(k * self.page_size)
+        pages = []
+        for h in hashes[first:k]:
+            page = self.pool.cached[h]
+            self.pool.share(page)
+            pages.append(page)
+        req.pages = PageTable(pages, first)
+        if pages:
+            self.connector.touch(hashes[first:k], pages)
+        req.num_computed = k * self.page_size
+        self._named[req] = k
+
+    def _count_admission(self, req: Request) -> None:
+        counters = self.pool.counters
+        counters.queries += 1
+        if req.num_computed:
+            counters.hits += 1
+            counters.hit_tokens += req.pages.num_live * self.page_size  # pages found
+            counters.skipped_tokens += req.pages.first * self.page_size  # behind the window: not read
+        if req.num_preemptions == 0:
+            req.cached_tokens = req.num_computed
+
+    def _complete(self, req: Request, fetch: PendingFetch | None, expired: bool, start: int) -> None:
+        """Load the fetched pages (page hashes `start ..`) and name them in the pool. Without a
+        window they extend the request's pages; with one they are left in the pool (named,
+        revivable) for `_device_tail` to find."""
+        if fetch is None:
+            return
+        n = min(fetch.take(expired), self.pool.num_free)
+        pages = self.pool.allocate(n)
+        fetch.load(pages)
+        start += fetch.offset  # a tail fetch's pages start inside the hashes it was given
+        hashes = self._hashes[req]
+        named_hashes, named_pages = [], []
+        for i, page in enumerate(pages):
+            if self.pool.register(page, hashes[start + i]):
+                named_hashes.append(hashes[start + i])
+                named_pages.append(page)
+        if named_pages:  # restored pages are used again, like matched ones
+            self.connector.touch(named_hashes, named_pages)
+        if self.window is not None:
+            self.pool.free(pages)
+            return
+        req.pages.append(pages)
+        req.num_computed = len(req.pages) * self.page_size
+        self._named[req] = len(req.pages)
+
+    def _name_full_pages(self, reqs: list[Request]) -> None:
+        new_hashes: list[bytes] = []
+        new_pages: list[int] = []
+        for req in reqs:
+            full = req.num_computed // self.page_size
+            start = self._named.get(req, 0)
+            if full <= start:
+                continue
+            hashes = self._page_hashes(req, full)
+            for i in range(start, full):
+                if self.pool.register(req.pages[i], hashes[i]):
+                    new_hashes.append(hashes[i])
+                    new_pages.append(req.pages[i])
+            self._named[req] = full
+        if new_pages:
+            self.connector.save(new_hashes, new_pages)
