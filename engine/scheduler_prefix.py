@@ -45,7 +45,7 @@ class PrefixLookup:
     _looked_up: set[Request]
     _salts: OrderedDict[str, bytes]
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request) -> None:  # the Scheduler's: free the pages, forget the progress
         raise NotImplementedError
 
     def _page_hashes(self, req: Request, num_pages: int) -> list[bytes]:

@@ -85,3 +85,24 @@ def test_next_turn_restores_only_the_last_window_from_redis(
     assert cached == resume * PAGE
     assert reader.runner.num_tokens_computed - before == len(turn) - resume * PAGE + NEW - 1
     assert ids == reference_greedy(t, turn, NEW)
+
+
+def test_tail_comes_back_from_host_memory_after_the_pool_is_reused(windowed: tuple[TinyModel, str]) -> None:
+    """Host tier only (answers at once): the window's pages, evicted from a small pool by another
+    conversation, are restored from host memory; the pages before it are not looked up."""
+    t, fp = windowed
+    cfg = EngineConfig(kv_cache_bytes=64 * page_bytes(t.config), page_size=PAGE, host_cache_bytes=8 << 20)
+    engine = Engine(t.model, None, cfg, fingerprint=fp)
+    first = random_ids(t.config.vocab_size, 4096, seed=11)
+    answer, _ = _greedy(engine, first, 4)
+    _greedy(engine, random_ids(t.config.vocab_size, 2048, seed=12), 1)  # reuses every device page
+    assert engine.store is not None
+    hits = engine.store.host.counters.hits
+    turn = first + answer + random_ids(t.config.vocab_size, 20, seed=13)
+    resume = (4096 + 3) // PAGE
+    ids, cached = _greedy(engine, turn, NEW)
+    window_pages = resume - (resume * PAGE - WINDOW + 1) // PAGE
+    assert engine.store.host.counters.hits - hits == window_pages
+    assert cached == resume * PAGE
+    assert ids == reference_greedy(t, turn, NEW)
+    engine.shutdown()
