@@ -40,6 +40,7 @@ from sessions.errors import ContextLengthExceeded, InvalidParam
 from sessions.ids import new_id
 from sessions.reasoning import ReasoningSplitter, opens_in_reasoning
 from sessions.render import encode, render_text
+from sessions.requests import sampling_params
 from sessions.service import SessionService
 from tools.calls import ToolCallParser
 from tools.schema import parse_tools
@@ -183,7 +184,8 @@ async def plan(svc: SessionService, body: dict[str, Any]) -> ChatPlan:
             "messages", f"the prompt is {len(ids)} tokens and asks for {asked or 1} more; the limit is {limit} tokens"
         )
     max_tokens = asked if asked is not None else min(limit - len(ids), cap)
-    params = SamplingParams(
+    params = sampling_params(
+        {"max_tokens": asked_name, "logprobs": "top_logprobs"},
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, presence_penalty=presence,
         frequency_penalty=frequency, seed=seed, stop=tuple(stops or ()),
         logprobs=(top or 0) if logprobs else None, skip_special_tokens=not (svc.keep_special and bool(tools)),

@@ -35,7 +35,7 @@ from sessions.output import OutputAssembler
 from sessions.prompt_fit import PromptFitter
 from sessions.reasoning import ReasoningSplitter, opens_in_reasoning, uses_reasoning
 from sessions.recovery import settle
-from sessions.requests import CreateResponseBody, InvalidParam, ResponseRequest, decode_request
+from sessions.requests import CreateResponseBody, InvalidParam, ResponseRequest, decode_request, sampling_params
 from sessions.store import SessionStore
 from sessions.turn import Turn, TurnPlan
 from tools.calls import ToolCallParser
@@ -236,7 +236,8 @@ class SessionService:
 
     def _params(self, req: ResponseRequest, max_tokens: int, priority: int = 0) -> SamplingParams:
         b = req.body
-        return SamplingParams(
+        return sampling_params(
+            {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
             priority=priority,  # background: 1
             skip_special_tokens=not (self.keep_special and bool(req.tools)),
             max_tokens=max_tokens,
