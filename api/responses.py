@@ -30,7 +30,7 @@ from api.state import ServerState
 from sessions.config import ServiceConfig, StoreConfig
 from sessions.items import ItemPage
 from sessions.models import Response
-from sessions.requests import CreateResponseBody
+from sessions.requests import CreateResponseBody, InvalidParam
 from sessions.service import SessionService
 from sessions.store import SessionStore
 from sessions.tasks import BackgroundWorkers
@@ -78,7 +78,9 @@ async def retrieve_response(
     """A stored response (`?stream=true`: its events after `starting_after`, as SSE)."""
     svc = service(request)
     if stream:
-        await svc.retrieve(tenant(request), resp_id)  # NotFound before the stream starts
+        found = await svc.retrieve(tenant(request), resp_id)  # NotFound before the stream starts
+        if not found.background:
+            raise InvalidParam("stream", "only background responses keep their events; retrieve it without stream")
         return cast(Response, sse_response(svc.stream_events(tenant(request), resp_id, starting_after)))
     return cast(Response, await svc.retrieve(tenant(request), resp_id))
 

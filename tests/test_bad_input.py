@@ -130,6 +130,7 @@ CASES: list[tuple[str, str, str, Any, str | None, int, str | None, tuple[str, ..
     ("cancel unknown", "POST", "/v1/responses/resp_nope/cancel", None, "key-a", 404, None, ("resp_nope",)),
     ("retrieve unknown", "GET", "/v1/responses/resp_nope", None, "key-a", 404, None, ("resp_nope",)),
     ("stream unknown", "GET", "/v1/responses/resp_nope?stream=true", None, "key-a", 404, None, ("resp_nope",)),
+    ("stream foreground", "GET", "/v1/responses/{resp}?stream=true", None, "key-a", 400, "stream", ("background",)),
     ("bad starting_after", "GET", "/v1/responses/{resp}?stream=true&starting_after=x", None, "key-a", 400,
      "starting_after", ()),
     ("delete unknown", "DELETE", "/v1/responses/resp_nope", None, "key-a", 404, None, ("resp_nope",)),
