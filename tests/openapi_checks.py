@@ -96,5 +96,5 @@ def run_schemathesis(url: str, headers: dict[str, str]) -> None:
             check()
         except Exception as e:  # one failure per operation, all reported at the end
             failures.append(f"{op.method.upper()} {op.path}: {str(e)[:1500]}")
-    assert ran >= 10, f"only {ran} operations tried within {BUDGET_S}s"
+    assert ran >= 5, f"only {ran} operations tried within {BUDGET_S}s"
     assert not failures, "\n\n".join(failures)

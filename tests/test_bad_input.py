@@ -283,7 +283,6 @@ def test_bad_input(
     assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str), r.text
     if param is not None:
         assert str(err["param"]).startswith(param), r.text
-        assert param.split("[")[0].split(".")[0] in err["message"] or err["param"], r.text
     for word in words:
         assert word in err["message"], r.text
     if status == 400 and "context" in name:
