@@ -49,10 +49,10 @@ ifeq ($(REDIS_URL),)
 		( (apt-get update -q && apt-get install -y -q redis-server) || \
 		  (sudo apt-get update -q && sudo apt-get install -y -q redis-server) )
 	@echo "longctx: starting the server on $(MODEL): http://$(HOST):$(PORT)/v1 (managed redis-server)"
-	$(VENV)/bin/longctx serve --model $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+	$(VENV)/bin/longctx serve --model $(MODEL) --host $(HOST) --port $(PORT) --served-model-name demo $(SERVE_ARGS)
 else
 	@echo "longctx: starting the server on $(MODEL): http://$(HOST):$(PORT)/v1 (Redis at $(REDIS_URL))"
-	$(VENV)/bin/longctx serve --model $(MODEL) --host $(HOST) --port $(PORT) --redis-url $(REDIS_URL) $(SERVE_ARGS)
+	$(VENV)/bin/longctx serve --model $(MODEL) --host $(HOST) --port $(PORT) --redis-url $(REDIS_URL) --served-model-name demo $(SERVE_ARGS)
 endif
 
 bench: $(STAMP) pull

@@ -22,12 +22,13 @@ from typing import Any
 from litestar import Litestar, Request, Response, get
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
-from litestar.openapi import OpenAPIConfig
+from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.types import ControllerRouterHandler
 
 from api.auth import auth_guard
-from api.errors import error_body, handle_exception
+from api.errors import handle_exception
 from api.metrics import http_metrics, metrics
+from api.schemas import ErrorObject, ReadyBody
 from api.state import ServerState
 
 log = logging.getLogger("longctx.serve")
@@ -51,19 +52,19 @@ def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@get("/ready", sync_to_thread=False)
-def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+@get("/ready", sync_to_thread=False, responses={503: ResponseSpec(ReadyBody, description="not ready: the phase")})
+def ready(request: Request[Any, Any, Any]) -> Response[ReadyBody]:
     """Readiness: 200 once the model is loaded and warmed up; 503 with the phase before and while stopping."""
     state = server_state(request)
     engine = state.engine
     if state.ready and engine is not None and not engine.alive:  # the engine thread died
-        dead = {"phase": "engine_stopped"} | error_body("the engine thread is not running", "server_error")
-        return Response(dead, status_code=503)
+        err = ErrorObject(message="the engine thread is not running", type="server_error")
+        return Response(ReadyBody(phase="engine_stopped", error=err), status_code=503)
     if state.ready and not state.draining:
-        return Response({"status": "ready", "phase": state.phase, "phase_seconds": state.phase_seconds})
-    body: dict[str, Any] = {"phase": state.phase}
+        return Response(ReadyBody(status="ready", phase=state.phase, phase_seconds=state.phase_seconds))
+    body = ReadyBody(phase=state.phase)
     if state.error:
-        body |= error_body(state.error, "server_error", None, "startup_failed")
+        body.error = ErrorObject(message=state.error, type="server_error", code="startup_failed")
     return Response(body, status_code=503)
 
 

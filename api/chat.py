@@ -18,7 +18,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from litestar import Request, Router, get, post
@@ -30,14 +30,17 @@ from api.chat_reply import ChatReply, token_logprobs
 from api.errors import ErrorSpec, register
 from api.limits import TenantQueue, tenant_queue
 from api.metrics import METRICS
-from api.responses import service
+from api.responses import ERRORS, service
+from api.schemas import ChatCompletion, ChatCompletionBody, Model, ModelList
 from api.sse import HEADERS
 from engine.request import FinishReason, RequestHandle
 from engine.sampling_params import SamplingParams
+from sessions import errors
 from sessions.errors import ContextLengthExceeded, InvalidParam
 from sessions.ids import new_id
 from sessions.reasoning import ReasoningSplitter, opens_in_reasoning
 from sessions.render import encode, render_text
+from sessions.requests import sampling_params
 from sessions.service import SessionService
 from tools.calls import ToolCallParser
 from tools.schema import parse_tools
@@ -46,23 +49,15 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _encoder = msgspec.json.Encoder()
 
 
-class ModelNotFound(LookupError):
-    param = "model"
-
-
 class GrammarDeadEnd(RuntimeError):
     pass
 
 
-register("ModelNotFound", ErrorSpec(404, code="model_not_found"))
 register("GrammarDeadEnd", ErrorSpec(500, "server_error", "grammar_dead_end", param=lambda e: None))
 
 
 def check_model(svc: SessionService, model: Any) -> None:
-    if not isinstance(model, str) or not model:
-        raise InvalidParam("model", "expected the model's name")
-    if model != svc.config.model:
-        raise ModelNotFound(f"the model {model!r} does not exist; this server serves {svc.config.model!r}")
+    errors.check_model(model, svc.config.model)
 
 
 def _number(body: dict[str, Any], name: str, lo: float, hi: float, default: float) -> float:
@@ -126,13 +121,14 @@ async def plan(svc: SessionService, body: dict[str, Any]) -> ChatPlan:
     messages = check_messages(body.get("messages"))
     n = body.get("n")
     if n is not None and n != 1:
-        raise InvalidParam("n", "only n=1 is supported")
+        raise InvalidParam("n", f"n={n!r} is not supported: only one choice (n=1)")
     if body.get("logit_bias"):
         raise InvalidParam("logit_bias", "logit_bias is not supported")
     try:
         specs = parse_tools(body.get("tools"))
     except ValueError as e:
-        raise InvalidParam(getattr(e, "param", None) or "tools", str(e)) from None
+        param = getattr(e, "param", None) or "tools"
+        raise InvalidParam(param, str(e).removeprefix(f"{param}: ")) from None
     tool_choice = body.get("tool_choice")
     tools = specs if tool_choice != "none" else []
     parallel = body.get("parallel_tool_calls")
@@ -188,7 +184,8 @@ async def plan(svc: SessionService, body: dict[str, Any]) -> ChatPlan:
             "messages", f"the prompt is {len(ids)} tokens and asks for {asked or 1} more; the limit is {limit} tokens"
         )
     max_tokens = asked if asked is not None else min(limit - len(ids), cap)
-    params = SamplingParams(
+    params = sampling_params(
+        {"max_tokens": asked_name, "logprobs": "top_logprobs"},
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, presence_penalty=presence,
         frequency_penalty=frequency, seed=seed, stop=tuple(stops or ()),
         logprobs=(top or 0) if logprobs else None, skip_special_tokens=not (svc.keep_special and bool(tools)),
@@ -309,23 +306,19 @@ async def stream_chunks(
     yield b"data: [DONE]\n\n"
 
 
-@post("/chat/completions", status_code=200)
-async def chat_completions(request: Request[Any, Any, Any]) -> Any:
+@post("/chat/completions", status_code=200, responses=ERRORS)
+async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionBody) -> ChatCompletion:
+    """A chat reply (`data:` chunks ending `data: [DONE]` when `stream` is true)."""
     started = time.perf_counter()
     svc = service(request)
-    try:
-        body = msgspec.json.decode(await request.body())
-    except msgspec.DecodeError as e:
-        raise InvalidParam("body", f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise InvalidParam("body", "expected a JSON object")
     tenant = request_tenant(request)
-    p = await plan(svc, body)
+    p = await plan(svc, data.given())
     p.started = started
     queue = tenant_queue(request.app.state.server)
     gen = run(svc, p, tenant, submit(svc, p, tenant, queue), queue)
     if p.stream:
-        return Stream(stream_chunks(svc, p, gen), media_type="text/event-stream", headers=HEADERS)
+        stream = Stream(stream_chunks(svc, p, gen), media_type="text/event-stream", headers=HEADERS)
+        return cast(ChatCompletion, stream)
     final: dict[str, Any] = {}
     async for part in gen:
         final = part
@@ -333,25 +326,25 @@ async def chat_completions(request: Request[Any, Any, Any]) -> Any:
         "index": 0, "message": final["message"], "finish_reason": final["finish_reason"],
         "logprobs": {"content": final["logprobs"]} if p.top_logprobs is not None else None,
     }  # fmt: skip
-    return {
+    body = {
         "id": p.id, "object": "chat.completion", "created": int(time.time()), "model": svc.config.model,
         "choices": [choice], "usage": final["usage"], "system_fingerprint": None,
     }  # fmt: skip
+    return cast(ChatCompletion, body)
 
 
-def _model(request: Request[Any, Any, Any]) -> dict[str, Any]:
+def _model(request: Request[Any, Any, Any]) -> Model:
     svc = service(request)
-    return {"id": svc.config.model, "object": "model", "created": 0, "owned_by": "longctx",
-            "max_model_len": svc.engine.max_model_len}  # fmt: skip
+    return Model(id=svc.config.model, created=0, owned_by="longctx", max_model_len=svc.engine.max_model_len)
 
 
 @get("/models")
-async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    return {"object": "list", "data": [_model(request)]}
+async def list_models(request: Request[Any, Any, Any]) -> ModelList:
+    return ModelList(data=[_model(request)])
 
 
-@get("/models/{model_id:path}")
-async def retrieve_model(request: Request[Any, Any, Any], model_id: str) -> dict[str, Any]:
+@get("/models/{model_id:path}", responses=ERRORS)
+async def retrieve_model(request: Request[Any, Any, Any], model_id: str) -> Model:
     check_model(service(request), model_id.lstrip("/"))
     return _model(request)
 

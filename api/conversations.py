@@ -15,66 +15,59 @@ from litestar import Request, Router, delete, get, post
 
 from api.app import ready_guard
 from api.auth import tenant
-from api.responses import page_body, service
+from api.responses import ERRORS, page_body, service
+from api.schemas import ConversationBody, Deleted, ItemList, ItemsBody
 from sessions.conversation_api import ConversationAPI
-from sessions.requests import InvalidParam
+from sessions.items import Item
+from sessions.models import Conversation
 
 
 def api(request: Request[Any, Any, Any]) -> ConversationAPI:
     return service(request).conversations
 
 
-async def body(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        data = msgspec.json.decode(raw) if raw.strip() else {}
-    except msgspec.DecodeError as e:
-        raise InvalidParam("body", f"malformed JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise InvalidParam("body", "expected a JSON object")
-    return data
+@post("/conversations", status_code=200, responses=ERRORS)
+async def create_conversation(request: Request[Any, Any, Any], data: ConversationBody | None = None) -> Conversation:
+    b = data or ConversationBody()
+    return await api(request).create(tenant(request), b.items, b.metadata)
 
 
-@post("/conversations", status_code=200)
-async def create_conversation(request: Request[Any, Any, Any]) -> Any:
-    b = await body(request)
-    return await api(request).create(tenant(request), b.get("items"), b.get("metadata"))
-
-
-@get("/conversations/{conv_id:str}")
-async def get_conversation(request: Request[Any, Any, Any], conv_id: str) -> Any:
+@get("/conversations/{conv_id:str}", responses=ERRORS)
+async def get_conversation(request: Request[Any, Any, Any], conv_id: str) -> Conversation:
     return await api(request).get(tenant(request), conv_id)
 
 
-@post("/conversations/{conv_id:str}", status_code=200)
-async def update_conversation(request: Request[Any, Any, Any], conv_id: str) -> Any:
-    return await api(request).update(tenant(request), conv_id, (await body(request)).get("metadata"))
+@post("/conversations/{conv_id:str}", status_code=200, responses=ERRORS)
+async def update_conversation(
+    request: Request[Any, Any, Any], conv_id: str, data: ConversationBody | None = None
+) -> Conversation:
+    return await api(request).update(tenant(request), conv_id, (data or ConversationBody()).metadata)
 
 
-@delete("/conversations/{conv_id:str}", status_code=200)
-async def delete_conversation(request: Request[Any, Any, Any], conv_id: str) -> dict[str, Any]:
-    return await api(request).delete(tenant(request), conv_id)
+@delete("/conversations/{conv_id:str}", status_code=200, responses=ERRORS)
+async def delete_conversation(request: Request[Any, Any, Any], conv_id: str) -> Deleted:
+    return msgspec.convert(await api(request).delete(tenant(request), conv_id), Deleted)
 
 
-@get("/conversations/{conv_id:str}/items")
+@get("/conversations/{conv_id:str}/items", responses=ERRORS)
 async def list_items(
     request: Request[Any, Any, Any], conv_id: str, after: str | None = None, limit: int = 20, order: str = "desc"
-) -> dict[str, Any]:
+) -> ItemList:
     return page_body(await api(request).list_items(tenant(request), conv_id, after, limit, order))
 
 
-@post("/conversations/{conv_id:str}/items", status_code=200)
-async def add_items(request: Request[Any, Any, Any], conv_id: str) -> dict[str, Any]:
-    return page_body(await api(request).add_items(tenant(request), conv_id, (await body(request)).get("items")))
+@post("/conversations/{conv_id:str}/items", status_code=200, responses=ERRORS)
+async def add_items(request: Request[Any, Any, Any], conv_id: str, data: ItemsBody | None = None) -> ItemList:
+    return page_body(await api(request).add_items(tenant(request), conv_id, (data or ItemsBody()).items))
 
 
-@get("/conversations/{conv_id:str}/items/{item_id:str}")
-async def get_item(request: Request[Any, Any, Any], conv_id: str, item_id: str) -> Any:
+@get("/conversations/{conv_id:str}/items/{item_id:str}", responses=ERRORS)
+async def get_item(request: Request[Any, Any, Any], conv_id: str, item_id: str) -> Item:
     return await api(request).get_item(tenant(request), conv_id, item_id)
 
 
-@delete("/conversations/{conv_id:str}/items/{item_id:str}", status_code=200)
-async def delete_item(request: Request[Any, Any, Any], conv_id: str, item_id: str) -> Any:
+@delete("/conversations/{conv_id:str}/items/{item_id:str}", status_code=200, responses=ERRORS)
+async def delete_item(request: Request[Any, Any, Any], conv_id: str, item_id: str) -> Conversation:
     return await api(request).delete_item(tenant(request), conv_id, item_id)
 
 

@@ -72,6 +72,7 @@ register("InvalidTool", ErrorSpec(400, code="invalid_tool", param=_schema_param)
 # sessions
 register("InvalidItem", ErrorSpec(400, code="invalid_item"))
 register("NotFound", ErrorSpec(404, code="not_found"))
+register("ModelNotFound", ErrorSpec(404, code="model_not_found"))
 register(
     "ConversationBusy",
     ErrorSpec(409, code="conversation_busy", headers=lambda e: {"x-should-retry": "false"}),
@@ -109,6 +110,8 @@ def _validation(exc: ValidationException) -> tuple[str, str | None]:
         key = None
     if message == "'data'":
         message = "the request body is missing or is not JSON"
+    elif key is None:
+        message = f"the request body: {message}"
     return (f"{message} at '{key}'" if key else message), key
 
 

@@ -15,17 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import Any, cast
 
+import msgspec
 from litestar import Request, Router, delete, get, post
+from litestar.openapi import ResponseSpec
 
 from api.app import ready_guard
 from api.auth import tenant
 from api.errors import ErrorSpec, register
+from api.schemas import Compacted, Deleted, ErrorBody, ItemList
 from api.sse import sse_response
 from api.state import ServerState
 from sessions.config import ServiceConfig, StoreConfig
 from sessions.items import ItemPage
+from sessions.models import Response
+from sessions.requests import CreateResponseBody, InvalidParam
 from sessions.service import SessionService
 from sessions.store import SessionStore
 from sessions.tasks import BackgroundWorkers
@@ -41,51 +46,60 @@ def service(request: Request[Any, Any, Any]) -> SessionService:
     return svc
 
 
-def page_body(page: ItemPage) -> dict[str, Any]:
-    return {"object": "list", "data": page.items, "first_id": page.first_id, "last_id": page.last_id,
-            "has_more": page.has_more}  # fmt: skip
+ERRORS = {
+    status: ResponseSpec(ErrorBody, description="an OpenAI error object")
+    for status in (400, 401, 404, 409, 413, 429, 503)
+}
 
 
-@post("/responses", status_code=200)
-async def create_response(request: Request[Any, Any, Any]) -> Any:
-    result = await service(request).create(
-        tenant(request), await request.body(), request.headers.get("idempotency-key")
-    )
+def page_body(page: ItemPage) -> ItemList:
+    return ItemList.of(page)
+
+
+@post("/responses", status_code=200, responses=ERRORS)
+async def create_response(request: Request[Any, Any, Any], data: CreateResponseBody) -> Response:
+    """Create a response (the final one; SSE events when `stream` is true)."""
+    result = await service(request).create(tenant(request), data, request.headers.get("idempotency-key"))
     if hasattr(result, "__aiter__"):
-        return sse_response(result)
-    return result
+        return cast(Response, sse_response(result))
+    return cast(Response, result)
 
 
-@post("/responses/compact", status_code=200)
-async def compact_response(request: Request[Any, Any, Any]) -> Any:
-    return await service(request).compact(tenant(request), await request.body())
+@post("/responses/compact", status_code=200, responses=ERRORS)
+async def compact_response(request: Request[Any, Any, Any], data: CreateResponseBody) -> Compacted:
+    """A context as a compaction item and the items kept verbatim; writes nothing."""
+    return msgspec.convert(await service(request).compact(tenant(request), data), Compacted)
 
 
-@get("/responses/{resp_id:str}")
+@get("/responses/{resp_id:str}", responses=ERRORS)
 async def retrieve_response(
     request: Request[Any, Any, Any], resp_id: str, stream: bool = False, starting_after: int | None = None
-) -> Any:
+) -> Response:
+    """A stored response (`?stream=true`: its events after `starting_after`, as SSE)."""
     svc = service(request)
     if stream:
-        await svc.retrieve(tenant(request), resp_id)  # NotFound before the stream starts
-        return sse_response(svc.stream_events(tenant(request), resp_id, starting_after))
-    return await svc.retrieve(tenant(request), resp_id)
+        found = await svc.retrieve(tenant(request), resp_id)  # NotFound before the stream starts
+        if not found.background:
+            raise InvalidParam("stream", "only background responses keep their events; retrieve it without stream")
+        return cast(Response, sse_response(svc.stream_events(tenant(request), resp_id, starting_after)))
+    return cast(Response, await svc.retrieve(tenant(request), resp_id))
 
 
-@post("/responses/{resp_id:str}/cancel", status_code=200)
-async def cancel_response(request: Request[Any, Any, Any], resp_id: str) -> Any:
-    return await service(request).cancel(tenant(request), resp_id)
+@post("/responses/{resp_id:str}/cancel", status_code=200, responses=ERRORS)
+async def cancel_response(request: Request[Any, Any, Any], resp_id: str) -> Response:
+    """Cancel a background response."""
+    return cast(Response, await service(request).cancel(tenant(request), resp_id))
 
 
-@delete("/responses/{resp_id:str}", status_code=200)
-async def delete_response(request: Request[Any, Any, Any], resp_id: str) -> dict[str, Any]:
-    return await service(request).delete(tenant(request), resp_id)
+@delete("/responses/{resp_id:str}", status_code=200, responses=ERRORS)
+async def delete_response(request: Request[Any, Any, Any], resp_id: str) -> Deleted:
+    return msgspec.convert(await service(request).delete(tenant(request), resp_id), Deleted)
 
 
-@get("/responses/{resp_id:str}/input_items")
+@get("/responses/{resp_id:str}/input_items", responses=ERRORS)
 async def input_items(
     request: Request[Any, Any, Any], resp_id: str, after: str | None = None, limit: int = 20, order: str = "desc"
-) -> dict[str, Any]:
+) -> ItemList:
     return page_body(await service(request).input_items(tenant(request), resp_id, after, limit, order))
 
 
@@ -113,6 +127,7 @@ def setup(state: ServerState) -> None:
         o = state.options
         store = SessionStore(state.redis, StoreConfig(prefix=o.redis_prefix, state_ttl_s=o.state_ttl_s))
         await store.check_server()
+        await store.compaction_secret()  # made at start, so that no request writes it
         tok = state.loaded.tokenizer
         fmt = detect_format(tok) if o.tool_call_format == "auto" else resolve_format(o.tool_call_format)
         name = o.served_model_name or state.loaded.source.name

@@ -27,7 +27,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
-ARGS = ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "0")
+ARGS = (
+    "--dtype",
+    "float32",
+    "--threads",
+    "2",
+    "--kv-cache-bytes",
+    "256MiB",
+    "--background-workers",
+    "0",
+    "--served-model-name",
+    "demo",
+)
 SENSOR = {"type": "function", "name": "sensor", "description": "Read a sensor by number.",
           "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}  # fmt: skip
 

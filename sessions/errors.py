@@ -9,6 +9,7 @@
     RequestInProgress 409  an Idempotency-Key repeat while the first request runs
     InvalidParam      400  a request field the server cannot accept (`param` = its path)
     ContextLengthExceeded 400  (an InvalidParam, code context_length_exceeded) the context is too long
+    ModelNotFound     404  the request names another model than the served one
     StoreUnavailable  503  Redis did not answer within the retry budget
     UnsuitableServer  —    refused at start: the server would lose conversations
 
@@ -30,6 +31,7 @@ class NotFound(StoreError):
         super().__init__(f"{kind} {id!r} not found")
         self.kind = kind  # "conversation", "item", "response"
         self.id = id
+        self.param: str | None = None  # the request field naming the id, when one does
 
 
 class ConversationBusy(StoreError):
@@ -108,3 +110,24 @@ class ContextLengthExceeded(InvalidParam):
 
     def __init__(self, param: str, message: str):
         super().__init__(param, message, code="context_length_exceeded")
+
+
+class ModelNotFound(LookupError):
+    """404 `model_not_found`: the request names a model this server does not serve."""
+
+    param = "model"
+
+    def __init__(self, asked: str, served: str):
+        super().__init__(f"the model {asked!r} does not exist; this server serves {served!r}")
+        self.asked, self.served = asked, served
+
+
+def check_model(model: object, served: str, required: bool = True) -> None:
+    """InvalidParam for a `model` that is not a name (or missing when `required`); ModelNotFound
+    for another model than `served`."""
+    if model is None and not required:
+        return
+    if not isinstance(model, str) or not model:
+        raise InvalidParam("model", f"model is required: the name of the served model ({served!r})")
+    if model != served:
+        raise ModelNotFound(model, served)

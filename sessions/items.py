@@ -165,6 +165,9 @@ def text_of(item: Item) -> str:
 # ---- lenient input ----
 
 
+TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text"})
+
+
 def parse_input(value: Any) -> list[Item]:
     """Items from a request's `input` (or a `POST …/items` body's `items`).
 
@@ -202,6 +205,13 @@ def parse_item(raw: Any, param: str = "item") -> Item:
     for key in ("content", "summary"):
         if isinstance(d.get(key), list):
             d[key] = [_without_nulls(p) if isinstance(p, dict) else p for p in d[key]]
+    if kind == "message" and isinstance(d.get("content"), list):
+        for j, p in enumerate(d["content"]):
+            t = p.get("type") if isinstance(p, dict) else None
+            if isinstance(t, str) and t not in TEXT_PARTS:
+                raise InvalidItem(
+                    f"content part type {t!r} is not supported; only text is", f"{param}.content[{j}].type"
+                )
     if kind == "function_call_output" and isinstance(d.get("output"), list):
         d["output"] = "".join(p.get("text", "") for p in d["output"] if isinstance(p, dict))
     if isinstance(kind, str) and kind in ID_KINDS and "id" not in d:

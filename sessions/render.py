@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from engine.loading.tokenizer import Tokenizer
+from sessions.errors import InvalidParam
 from sessions.items import Compaction, FunctionCall, FunctionCallOutput, Item, Message, Reasoning, text_of
 from tools.prompt import hermes_messages, normalize_messages
 from tools.schema import ToolSpec
@@ -83,6 +84,8 @@ def render_text(
         thinking: the template's `enable_thinking` switch (Qwen3); templates without it ignore it.
     """
     msgs = normalize_messages(messages)
+    if not msgs:
+        raise InvalidParam("input", "the context holds no message to answer (reasoning items alone render nothing)")
     kwargs: dict[str, Any] = {"add_generation_prompt": generation_prompt, "tokenize": False}
     if not thinking:
         kwargs["enable_thinking"] = False

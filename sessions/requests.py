@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from engine.sampling_params import SamplingParams
 from sessions.errors import InvalidParam
 from sessions.items import InvalidItem, Item, parse_input
 from sessions.models import (
@@ -228,3 +229,15 @@ def _check_context_management(raw: list[dict[str, Any]] | None) -> None:
 def _reasoning(r: ReasoningConfig | None) -> ReasoningConfig | None:
     # Open Responses: reasoning is null or carries both effort and summary.
     return None if r is None else ReasoningConfig(effort=r.effort, summary=r.summary)
+
+
+def sampling_params(renames: dict[str, str] | None = None, **kwargs: Any) -> SamplingParams:
+    """`SamplingParams(**kwargs)`, its checks' errors as InvalidParam naming the request field
+    (`SamplingParams` names its own, e.g. `stop`; `renames` maps those to the request's names)."""
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        field, sep, why = str(e).partition(": ")
+        if not sep:
+            raise InvalidParam("body", str(e)) from None
+        raise InvalidParam((renames or {}).get(field, field), why) from None

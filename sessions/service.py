@@ -26,7 +26,7 @@ from engine.sampling_params import SamplingParams
 from sessions.config import ServiceConfig
 from sessions.context import load_context
 from sessions.conversation_api import ConversationAPI, check_page
-from sessions.errors import Conflict, ContextLengthExceeded, NotFound, RequestInProgress, StoreError
+from sessions.errors import Conflict, ContextLengthExceeded, NotFound, RequestInProgress, StoreError, check_model
 from sessions.event_stream import EventStream, replay, stored_events
 from sessions.events import Event, EventWriter
 from sessions.ids import new_id
@@ -35,7 +35,7 @@ from sessions.output import OutputAssembler
 from sessions.prompt_fit import PromptFitter
 from sessions.reasoning import ReasoningSplitter, opens_in_reasoning, uses_reasoning
 from sessions.recovery import settle
-from sessions.requests import CreateResponseBody, InvalidParam, ResponseRequest, decode_request
+from sessions.requests import CreateResponseBody, InvalidParam, ResponseRequest, decode_request, sampling_params
 from sessions.store import SessionStore
 from sessions.turn import Turn, TurnPlan
 from tools.calls import ToolCallParser
@@ -87,13 +87,18 @@ class SessionService:
         ConversationBusy and RequestInProgress (409), StoreUnavailable (503).
         """
         req = request if isinstance(request, ResponseRequest) else decode_request(request)
+        check_model(req.body.model, self.config.model, required=False)
         undo = _Undo(self.store, tenant)
         if idempotency_key is not None and req.store:
             first = await undo.bind(idempotency_key)
             if first is not None:
                 return await self._repeat(tenant, first, req.stream)
         try:
-            plan = await self._plan(tenant, req, undo)
+            try:
+                plan = await self._plan(tenant, req, undo)
+            except NotFound as e:
+                e.param = _id_param(e, req)
+                raise
             if req.background:
                 return await self._enqueue(plan, undo, req.stream)
             turn = Turn(self.engine, self.store, plan, plan.assembler.writer, self.config.lease_renew_s)
@@ -231,7 +236,8 @@ class SessionService:
 
     def _params(self, req: ResponseRequest, max_tokens: int, priority: int = 0) -> SamplingParams:
         b = req.body
-        return SamplingParams(
+        return sampling_params(
+            {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
             priority=priority,  # background: 1
             skip_special_tokens=not (self.keep_special and bool(req.tools)),
             max_tokens=max_tokens,
@@ -250,11 +256,10 @@ class SessionService:
         response = await self.store.responses.get(tenant, resp_id)
         return await settle(self.store, tenant, response, resp_id in self.running)
 
-    async def compact(self, tenant: str, request: bytes | dict[str, Any]) -> dict[str, Any]:
+    async def compact(self, tenant: str, request: CreateResponseBody | bytes | dict[str, Any]) -> dict[str, Any]:
         """`POST /v1/responses/compact` (`sessions.prompt_fit.PromptFitter.compact`); writes nothing."""
         req = decode_request(request)
-        if not req.body.model:
-            raise InvalidParam("model", "model is required")
+        check_model(req.body.model, self.config.model)
         return await self.fitter.compact(tenant, req, await load_context(self.store, tenant, req))
 
     async def delete(self, tenant: str, resp_id: str) -> dict[str, Any]:
@@ -291,6 +296,15 @@ class SessionService:
         except Conflict:  # it became final meanwhile
             return await self.store.responses.get(tenant, resp_id)
         return cancelled
+
+
+def _id_param(e: NotFound, req: ResponseRequest) -> str | None:
+    """The request field naming the id that was not found (None: neither)."""
+    if e.kind == "conversation" and e.id == req.conversation_id:
+        return "conversation"
+    if e.kind == "response" and e.id == req.body.previous_response_id:
+        return "previous_response_id"
+    return None
 
 
 def _param(e: Exception, req: ResponseRequest, default: str) -> str:

@@ -15,7 +15,18 @@ from pydantic import BaseModel
 from tests.redis_server import shared_redis
 from tests.server import Server, running_server
 
-ARGS = ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "1")
+ARGS = (
+    "--dtype",
+    "float32",
+    "--threads",
+    "2",
+    "--kv-cache-bytes",
+    "256MiB",
+    "--background-workers",
+    "1",
+    "--served-model-name",
+    "demo",
+)
 GREEDY = {"temperature": 0, "max_output_tokens": 24}
 WEATHER = {
     "type": "function", "name": "get_weather", "strict": True,

@@ -18,7 +18,18 @@ from sessions.compaction import SUMMARY_MAX_TOKENS, SUMMARY_PROMPT
 from tests.redis_server import shared_redis
 from tests.server import Server, running_server
 
-ARGS = ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "64MiB", "--background-workers", "0")
+ARGS = (
+    "--dtype",
+    "float32",
+    "--threads",
+    "2",
+    "--kv-cache-bytes",
+    "64MiB",
+    "--background-workers",
+    "0",
+    "--served-model-name",
+    "demo",
+)
 GREEDY: dict[str, Any] = {"temperature": 0, "max_output_tokens": 12}
 STORY = (
     "My name is Ada and I keep bees on a farm near Lyon. Last spring we had forty hives, and the clover "

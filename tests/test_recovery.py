@@ -14,7 +14,18 @@ import openai
 from tests.redis_server import delete_prefix, shared_redis, unique_prefix
 from tests.server import start_server
 
-ARGS = ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "64MiB", "--background-workers", "0")
+ARGS = (
+    "--dtype",
+    "float32",
+    "--threads",
+    "2",
+    "--kv-cache-bytes",
+    "64MiB",
+    "--background-workers",
+    "0",
+    "--served-model-name",
+    "demo",
+)
 LEASE_S = 30
 
 

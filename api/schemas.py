@@ -1,0 +1,207 @@
+"""The msgspec types of the HTTP bodies that have no type in the session layer, so that the
+OpenAPI schema Litestar serves (`/schema/openapi.json`) is concrete for every route.
+
+Request bodies decode leniently: unknown fields are ignored (clients send new ones) and `null`
+means "not given". The session layer's own types (`sessions.models.Response`,
+`sessions.models.Conversation`, `sessions.items.Item`, `sessions.requests.CreateResponseBody`)
+are used as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from sessions.items import Item, ItemPage
+from sessions.models import Usage
+
+# ---- errors ----
+
+
+class ErrorObject(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    """OpenAI's error object, the body of every 4xx and 5xx."""
+
+    error: ErrorObject
+
+
+# ---- server ----
+
+
+class ReadyBody(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """`GET /ready`: 200 `status: ready` with the phases' seconds; 503 with the phase (and the error)."""
+
+    phase: str
+    status: str | None = None
+    phase_seconds: dict[str, float] | None = None
+    error: ErrorObject | None = None
+
+
+# ---- lists and deletions ----
+
+
+class ItemList(msgspec.Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[Item]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+    @classmethod
+    def of(cls, page: ItemPage) -> ItemList:
+        return cls(data=page.items, first_id=page.first_id, last_id=page.last_id, has_more=page.has_more)
+
+
+class Deleted(msgspec.Struct, kw_only=True):
+    id: str
+    object: str  # "response.deleted", "conversation.deleted"
+    deleted: bool
+
+
+class Compacted(msgspec.Struct, kw_only=True):
+    """`POST /v1/responses/compact`: a compaction item (when anything was summarised) and the kept items."""
+
+    id: str
+    object: Literal["response.compaction"] = "response.compaction"
+    created_at: int
+    output: list[Item]
+    usage: Usage
+
+
+# ---- conversations ----
+
+
+class ConversationBody(msgspec.Struct, kw_only=True):
+    """`POST /v1/conversations` and `POST /v1/conversations/{id}` (metadata only)."""
+
+    items: list[Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class ItemsBody(msgspec.Struct, kw_only=True):
+    """`POST /v1/conversations/{id}/items`."""
+
+    items: list[Any] | None = None
+
+
+# ---- chat completions and models ----
+
+
+class ChatCompletionBody(msgspec.Struct, kw_only=True):
+    """`POST /v1/chat/completions` as sent; `api.chat.plan` checks the values."""
+
+    model: str | None = None
+    messages: list[Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    seed: int | None = None
+    stop: str | list[Any] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The fields sent with a value."""
+        return {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not None}
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(msgspec.Struct, kw_only=True):
+    content: list[TokenLogprob]
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatMessage
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    logprobs: ChoiceLogprobs | None
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int
+
+
+class ChatUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: ChatUsage
+    system_fingerprint: str | None = None
+
+
+class Model(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[Model]
