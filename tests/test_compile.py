@@ -196,3 +196,26 @@ def test_compile_flags() -> None:
     with pytest.raises(ValueError, match="--compile"):
         engine_config(p.parse_args(["--device", "cpu", "--compile", "--tensor-parallel-size", "2"]))
     assert torch._dynamo.config.fail_on_recompile_limit_hit  # past the limit: an error, never eager
+
+
+def test_eager_by_default_with_hooks_seeing_every_layer(dense: TinyModel) -> None:
+    """`EngineConfig()` (the doctor's, the test engines') runs eager: forward hooks see every module."""
+    from engine.engine import Engine, EngineConfig
+    from engine.sampling_params import SamplingParams
+
+    engine = Engine(dense.model, None, EngineConfig(kv_cache_bytes=1 << 22, attention_backend="torch_paged"))
+    assert engine.runner.step is dense.model
+    seen: list[str] = []
+    names = {m: n for n, m in dense.model.named_modules()}
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: seen.append(names[mod]))
+        for n, m in dense.model.named_modules()
+        if n.endswith(("mlp", "input_layernorm", "o_proj"))
+    ]
+    try:
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.run_until_idle()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert {"model.layers.1.mlp", "model.layers.0.input_layernorm", "model.layers.1.self_attn.o_proj"} <= set(seen)
