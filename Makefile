@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: test serve lint typecheck pytest bench bench-resume bench-peers pull clean redis
+.PHONY: test serve lint typecheck pytest bench bench-resume bench-peers pull clean redis compiler
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,7 +31,14 @@ redis: $(STAMP)
 		( (apt-get update -q && apt-get install -y -q redis-server) || \
 		  (sudo apt-get update -q && sudo apt-get install -y -q redis-server) )
 
-pytest: $(STAMP) pull redis
+# The compiled decode step (`--compile`, on by default) builds C++ with g++ against the Python
+# headers; without them the engine runs eager with a warning: install them when missing.
+compiler: $(STAMP)
+	@( command -v g++ >/dev/null && test -f "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ) || \
+		( (apt-get update -q && apt-get install -y -q g++ python3-dev) || \
+		  (sudo apt-get update -q && sudo apt-get install -y -q g++ python3-dev) )
+
+pytest: $(STAMP) pull redis compiler
 	$(PY) -m pytest -q tests
 
 test: lint typecheck pytest

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 import torch
 
 from engine.engine import EngineConfig
+
+log = logging.getLogger("longctx.cli")
 
 
 def parse_bytes(text: str) -> int:
@@ -62,7 +65,35 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over (spawned unless torchrun)"
     )
+    p.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        help="torch.compile the decode step (steps of <= 64 tokens); default: on when a C++ compiler "
+        "and the Python headers are present (CPU, one process), else eager",
+    )  # fmt: skip
     p.add_argument("--expert-parallel", action="store_true", help="MoE: whole experts per rank, tokens dispatched")
+
+
+def want_compile(args: argparse.Namespace) -> bool:
+    """`--compile` / `--no-compile`, or the default: compile where it can build (one warning if not)."""
+    from engine.model.compiled import compile_available
+
+    asked = getattr(args, "compile", None)
+    if asked is False:
+        return False
+    missing = compile_available()
+    cpu_single = args.device == "cpu" and args.tensor_parallel_size == 1
+    if asked:
+        if missing:
+            raise ValueError(f"--compile: {missing}")
+        if not cpu_single:
+            raise ValueError("--compile: the compiled step runs on CPU in one process (no --device cuda, no TP)")
+        return True
+    if not cpu_single:
+        return False
+    if missing:
+        log.warning("running eager (no compiled step): %s", missing)
+        return False
+    return True
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -84,5 +115,6 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         kv_redis_max_pending_bytes=args.kv_redis_max_pending_bytes,
         kv_lookup_timeout_s=args.kv_lookup_timeout,
         kv_dtype=args.kv_dtype,
+        compile=want_compile(args),
     )
     return EngineConfig(**(fields | overrides))

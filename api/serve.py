@@ -5,7 +5,8 @@ Order of events:
 2. The port is bound (uvicorn), so `/health` answers at once and `/ready` says the phase.
 3. Startup phases, each timed and logged, blocking ones on a loader thread:
    redis (start or reuse the managed instances, or ping `--redis-url`), model (load),
-   engine (KV pool, grammar compiler, the engine thread), warm-up (a short generation and
+   engine (KV pool, grammar compiler, the engine thread), compile (the compiled step's graphs,
+   from `$LONGCTX_HOME/compile` when cached), warm-up (a short generation and
    a schema compile), routes (the async Redis client and the route modules' startup hooks).
 4. SIGTERM/SIGINT: no new work admitted, uvicorn closes connections, the lifespan stops the
    engine and the hooks' resources, the managed Redis instances are released (the last user
@@ -153,6 +154,14 @@ class Startup:
         return engine.start(), grammar
 
     @staticmethod
+    def _compile(engine: Any) -> None:
+        """The compiled step's graphs for every bucket (from `$LONGCTX_HOME/compile` when cached)."""
+        from engine.model.compiled import CompiledStep
+
+        if isinstance(engine.runner.step, CompiledStep):
+            engine.runner.step.warm_up(engine.kv_spec.page_size)
+
+    @staticmethod
     def _warm_up(engine: Any, grammar: Any) -> None:
         from engine.sampling_params import SamplingParams
 
@@ -195,6 +204,7 @@ class Startup:
             engine, grammar = await self._phase(state, "engine", lambda: _in_thread(lambda: self._engine(loaded)))
             with state.lock:
                 state.engine, state.grammar = engine, grammar
+            await self._phase(state, "compile", lambda: _in_thread(lambda: self._compile(engine)))
             await self._phase(state, "warm-up", lambda: _in_thread(lambda: self._warm_up(engine, grammar)))
             await self._phase(state, "routes", lambda: self._routes(state))
         except asyncio.CancelledError:

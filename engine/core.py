@@ -81,6 +81,10 @@ class EngineCore:
             torch.set_num_threads(config.threads)
         if runner is None:
             runner = ModelRunner.for_model(model, config.page_size, config.kv_cache_bytes, config.attention_backend)
+        if config.compile:
+            from engine.compiled_runner import attach
+
+            attach(runner)
         self.runner = runner
         self.kv_cache = runner.kv_cache
         self.kv_spec = runner.kv_cache.spec  # this rank's heads

@@ -24,6 +24,7 @@ class EngineConfig:
     kv_lookup_timeout_s: float = 5.0  # the longest a request waits for host/Redis pages (less when recomputing wins)
     max_prefill_tokens_per_request: int | None = None  # a chunk's cap while others wait (None: budget/2)
     max_queued: int = 256  # requests added and not yet running; past it add_request raises EngineOverloaded
+    compile: bool = False  # the compiled step (`engine/model/compiled.py`) for steps of <= 64 tokens
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = model.model.norm.weight.device
+        # The forward pass: the model itself, or a `CompiledStep` over it (`use_compiled`).
+        self.step: Callable[..., torch.Tensor] = model
         self.num_forward_calls = 0
         self.num_tokens_computed = 0
         self.num_mixed_steps = 0  # steps whose batch held prefill chunks and decode tokens together
@@ -64,7 +67,7 @@ class ModelRunner:
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
         logits_indices = None if all_logits else meta.qo_indptr[1:].to(torch.int64) - 1
         self.backend.plan(meta)
-        logits = self.model(ids, meta, self.kv_cache.layers, self.backend, logits_indices)
+        logits = self.step(ids, meta, self.kv_cache.layers, self.backend, logits_indices)
         self.num_forward_calls += 1
         self.num_tokens_computed += meta.num_tokens
         decodes = sum(1 for q in meta.q_lens if q == 1)

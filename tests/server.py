@@ -79,8 +79,11 @@ def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, dict[str, object]]:
 
 
 def serve_command(model: str | Path, port: int, prefix: str, *args: str) -> list[str]:
+    # Eager unless the test asks for `--compile`: compiling the step is tested in test_compile.py
+    # and would add its compile phase to every server start here.
+    eager = () if "--compile" in args else ("--no-compile",)
     return [sys.executable, "-m", "api.cli", "serve", "--model", str(model), "--port", str(port),
-            "--redis-prefix", prefix, *args]  # fmt: skip
+            "--redis-prefix", prefix, *eager, *args]  # fmt: skip
 
 
 def start_server(

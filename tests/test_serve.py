@@ -91,10 +91,10 @@ def _request(method: str, url: str, body: bytes | None = None) -> tuple[int, dic
 def test_health_answers_before_ready(server: Server) -> None:
     assert server.health_before_ready, f"/ready said {server.ready_phases} but /health never answered before"
     assert server.ready_phases, "/ready was never 503 during startup"
-    assert set(server.ready_phases) <= {"starting", "redis", "model", "engine", "warm-up", "routes"}
+    assert set(server.ready_phases) <= {"starting", "redis", "model", "engine", "compile", "warm-up", "routes"}
     status, body = http_get(server.url + "/ready")
     assert status == 200 and body["status"] == "ready"
-    assert set(body["phase_seconds"]) == {"redis", "model", "engine", "warm-up", "routes"}  # type: ignore[arg-type]
+    assert set(body["phase_seconds"]) == {"redis", "model", "engine", "compile", "warm-up", "routes"}  # type: ignore[arg-type]
 
 
 def test_unknown_route_is_an_openai_error(server: Server) -> None:

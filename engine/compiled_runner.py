@@ -1,0 +1,24 @@
+"""Switching a `ModelRunner` to the compiled step (`engine/model/compiled.py`)."""
+
+from __future__ import annotations
+
+import logging
+
+from engine.loading.model_source import longctx_home
+from engine.model.compiled import CompiledStep, configure
+from engine.model_runner import ModelRunner
+
+log = logging.getLogger("longctx.compile")
+
+
+def attach(runner: object) -> CompiledStep | None:
+    """Give a `ModelRunner` the compiled step, its graphs cached under `$LONGCTX_HOME/compile`
+    (buckets compile at first use, or all at once in `CompiledStep.warm_up`). Runners of other
+    kinds (tensor parallel) and non-CPU devices stay eager, with a warning."""
+    if type(runner) is not ModelRunner or runner.model.parallel.sharded or runner.device.type != "cpu":
+        log.warning("the compiled step runs on CPU in one process; running eager")
+        return None
+    configure(longctx_home())
+    step = CompiledStep(runner.model)
+    runner.step = step
+    return step

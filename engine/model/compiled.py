@@ -1,0 +1,209 @@
+"""A compiled decoder step: the per-layer regions of `regions.py` through `torch.compile`
+(inductor), attention, embedding, final norm and LM head left eager.
+
+Steps are padded to a static bucket of token counts (`BUCKETS`); steps with more tokens run the
+eager model. Each region is one compiled function shared by every layer (weights are inputs),
+so a model makes at most `regions x buckets` graphs, all compiled by `warm_up` at start. A
+recompile past that is an error, never a silent fall back to eager: `fail_on_recompile_limit_hit`.
+Graphs are cached by inductor's FX graph cache under `$LONGCTX_HOME/compile`, so a second start
+only retraces and loads them.
+
+The MoE experts stay eager (data-dependent routing: per-expert token counts vary per step); an
+MoE layer compiles o_proj -> residual -> norm and runs its sparse block eager. Under tensor
+parallelism (an all-reduce inside each region) the model runs eager.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.model.layers import DenseMLP
+from engine.model.model import CausalLM, DecoderLayer
+from engine.model.regions import LinearSpec, linear_spec, post_attention, pre_attention
+
+log = logging.getLogger("longctx.compile")
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Compiled graphs per region's code object across all models of a process (a model uses at
+# most len(BUCKETS) per region; tests and benchmarks build several models).
+RECOMPILE_LIMIT = 64
+
+
+@functools.cache
+def compile_available() -> str | None:
+    """None when inductor's CPU backend can build here; else why not (no C++ compiler, no headers)."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        return "no C++ compiler (g++) on PATH"
+    include = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not include.exists():
+        return f"no Python headers ({include} is missing; install python3-dev)"
+    try:
+        subprocess.run([cxx, "--version"], capture_output=True, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"the C++ compiler {cxx} does not run: {e}"
+    return None
+
+
+def configure(home: Path) -> Path:
+    """Point inductor's caches at `home/compile` (`$LONGCTX_HOME/compile` in the engine) and set
+    the compile options; call before the first compile. Returns the cache directory."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    cache = home / "compile"
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
+    inductor_config.fx_graph_cache = True
+    inductor_config.cpp_wrapper = True  # C++ wrapper: no Python between the kernels of a region
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+    dynamo_config.fail_on_recompile_limit_hit = True
+    _packed_linear_as_fallback()
+    return cache
+
+
+@functools.cache
+def _packed_linear_as_fallback() -> None:
+    """Let inductor call `mkldnn._linear_pointwise` (our prepacked bf16 linears) as the aten op.
+
+    Its inductor lowering, and the oneDNN fusion patterns that rewrite a linear + add or a
+    linear + activation into it, exist for freezing, where the packed weight is a constant of
+    the graph, and assert so; here the weight is an input (one graph for all layers). So the
+    patterns are left unregistered (they are registered once per process, at the first
+    compile, only while oneDNN is enabled) and the op runs as an extern call through the
+    dispatcher, as in the eager model."""
+    import torch._inductor.mkldnn_lowerings  # (registers the lowering to replace)
+    from torch._inductor.fx_passes.post_grad import lazy_init
+    from torch._inductor.lowering import lowerings, make_fallback
+
+    with torch.backends.mkldnn.flags(enabled=False):
+        lazy_init()
+    op = torch.ops.mkldnn._linear_pointwise.default
+    lowerings.pop(op, None)
+    make_fallback(op, warn=False)
+
+
+def bucket_for(num_tokens: int) -> int | None:
+    """The smallest bucket holding `num_tokens`, or None past the largest (eager)."""
+    for b in BUCKETS:
+        if num_tokens <= b:
+            return b
+    return None
+
+
+@functools.cache
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+class CompiledStep:
+    """Callable like `CausalLM.forward`; runs the compiled regions for steps of up to 64 tokens."""
+
+    def __init__(self, model: CausalLM):
+        if model.parallel.sharded:
+            raise ValueError("the compiled step does not support tensor parallelism (run with --no-compile)")
+        self.model = model
+        self.pre = _compiled(pre_attention)
+        self.post = _compiled(post_attention)
+        self.compiled_buckets: set[int] = set()
+        cfg = model.config
+        self.eps = cfg.rms_norm_eps
+        self.layers: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
+        # Per layer: (layer index, sliding window) for attention, the eager MoE block or None.
+        self.attention: list[tuple[int, int | None]] = []
+        self.sparse: list[nn.Module | None] = []
+        for layer in cast("list[DecoderLayer]", list(model.model.layers)):
+            attn = layer.self_attn
+            self.attention.append((attn.layer, attn.window))
+            pre_args = (
+                layer.input_layernorm.weight,
+                linear_spec(attn.qkv_proj),
+                None if attn.q_norm is None else attn.q_norm.weight,
+                None if attn.k_norm is None else attn.k_norm.weight,
+            )
+            mlp: tuple[LinearSpec | None, LinearSpec | None] = (None, None)
+            if isinstance(layer.mlp, DenseMLP):
+                mlp = (linear_spec(layer.mlp.gate_up_proj), linear_spec(layer.mlp.down_proj))
+            self.sparse.append(None if isinstance(layer.mlp, DenseMLP) else layer.mlp)
+            post_args = (linear_spec(attn.o_proj), layer.post_attention_layernorm.weight, *mlp)
+            self.layers.append((pre_args, post_args))
+        self.heads = (model.local_heads, model.local_kv_heads, cfg.head_dim)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        T = input_ids.shape[0]
+        bucket = bucket_for(T)
+        if bucket is None:
+            return self.model(input_ids, meta, kv_caches, backend, logits_indices)
+        m = self.model
+        pad = bucket - T
+        positions = meta.positions
+        if pad:
+            input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
+        x = m.model.embed_tokens(input_ids)  # [bucket, hidden]
+        cos, sin = m.rope.cos_sin(positions, x.dtype)
+        residual = torch.zeros_like(x)
+        layers = zip(kv_caches, self.layers, self.attention, self.sparse, strict=True)
+        for cache, (pre_args, post_args), (index, window), sparse in layers:
+            q, k, v, residual = self.pre(x, residual, *pre_args, cos, sin, self.heads, self.eps)
+            if pad:
+                q, k, v = q[:T], k[:T], v[:T]
+            o = backend.forward(index, q, k, v, cache, window)  # [T, H, D]
+            if pad:
+                o = F.pad(o, (0, 0, 0, 0, 0, pad))
+            x, residual = self.post(o, residual, *post_args, self.eps)
+            if sparse is not None:
+                x = sparse(x)
+        if logits_indices is not None:
+            x, residual = x[logits_indices], residual[logits_indices]
+        elif pad:
+            x, residual = x[:T], residual[:T]
+        h = x + residual
+        logits = m.head(m.model.norm(h))
+        self.compiled_buckets.add(bucket)
+        return logits.float()
+
+    def warm_up(self, page_size: int, buckets: tuple[int, ...] = BUCKETS) -> float:
+        """Compile (or load from the cache) every bucket's graphs by running a throwaway step of
+        that many tokens over a scratch KV cache. Returns the seconds it took."""
+        from engine.attention.torch_paged import TorchPagedBackend
+
+        t0 = time.perf_counter()
+        m = self.model
+        cfg = m.config
+        dtype = m.model.norm.weight.dtype
+        device = m.model.norm.weight.device
+        backend = TorchPagedBackend(m.local_heads, m.local_kv_heads, cfg.head_dim)
+        for b in buckets:
+            pages = -(-b // page_size)
+            caches = [
+                torch.zeros(pages, 2, page_size, m.local_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+                for _ in range(cfg.num_layers)
+            ]
+            meta = AttentionMetadata.build([list(range(pages))], [b], [b], page_size, device)
+            backend.plan(meta)
+            with torch.inference_mode():
+                self(torch.zeros(b, dtype=torch.int64, device=device), meta, caches, backend)
+        seconds = time.perf_counter() - t0
+        log.info("compiled %d step buckets in %.1fs", len(buckets), seconds)
+        return seconds

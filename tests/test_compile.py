@@ -1,0 +1,221 @@
+"""The compiled step (`engine/model/compiled.py`) equals the eager step, and really is compiled.
+
+The same steps, mixed prefill + decode included, run through two runners over one tiny model:
+one eager, one compiled. Compiled graphs are cached in the pytest cache directory (inductor's FX
+graph cache, keyed by graph, options and torch version), so only a session with a cold cache
+pays for the C++ builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+from engine.model.compiled import CompiledStep, compile_available, configure
+from engine.model.regions import post_attention, pre_attention
+from engine.model_runner import Chunk
+from kvstore.block_pool import BlockPool
+from tests.tiny_models import TinyModel, build_tiny, make_runner
+
+pytestmark = pytest.mark.skipif(compile_available() is not None, reason=f"cannot compile: {compile_available()}")
+
+# One step per entry: per sequence, (first token index, number of tokens). Sequences are fixed
+# token lists; a step computes tokens [start, start + n) of each listed sequence.
+DENSE_STEPS = [
+    {0: (0, 70)},  # 70 tokens: past the largest bucket, eager in both runners
+    {0: (70, 1), 1: (0, 15)},  # 16: a decode and a prefill chunk together
+    {0: (71, 1), 1: (15, 1), 2: (0, 2)},  # 4: two decodes and a prefill chunk
+    {0: (72, 1), 1: (16, 1), 2: (2, 1)},  # 3, padded to 4
+    {0: (73, 1)},  # 1
+]
+DENSE_BUCKETS = {1, 4, 16}
+MOE_STEPS = [
+    {0: (0, 70)},  # eager
+    {0: (70, 1), 1: (0, 1)},  # 2: a decode and a one-token prefill chunk
+    {0: (71, 1), 1: (1, 1)},  # 2: two decodes
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _setup(request: pytest.FixtureRequest) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    configure(Path(request.config.cache.mkdir("longctx-compile")))
+    yield
+    torch.set_num_threads(threads)
+
+
+def _sequences(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (80,), generator=g).tolist() for _ in range(3)]
+
+
+class Pair:
+    """An eager and a compiled runner over the same model, each with its own KV cache."""
+
+    def __init__(self, tiny: TinyModel):
+        self.eager = make_runner(tiny.config, tiny.model)
+        self.compiled = make_runner(tiny.config, tiny.model)
+        self.step = CompiledStep(tiny.model)
+        self.compiled.step = self.step
+        self.seqs = _sequences(tiny.config.vocab_size)
+
+    def run(self, steps: list[dict[int, tuple[int, int]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Both runners through `steps` from empty caches: (eager, compiled) logits of every row."""
+        out = []
+        runners = (self.eager, self.compiled)
+        pools = [BlockPool(r.kv_cache.num_pages) for r in runners]
+        tables = [{i: p.allocate(6) for i in range(len(self.seqs))} for p in pools]
+        for step in steps:
+            logits = []
+            for runner, table in zip(runners, tables, strict=True):
+                chunks = [Chunk(self.seqs[i][s : s + n], table[i], s + n) for i, (s, n) in step.items()]
+                logits.append(runner.run(chunks, all_logits=True))
+            out.append((logits[0], logits[1]))
+        return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / a.abs().max())
+
+
+def _compiled_run(tiny: TinyModel, steps: list[dict[int, tuple[int, int]]]) -> dict[str, Any]:
+    pair = Pair(tiny)
+    graphs = counters["stats"]["unique_graphs"]
+    first = pair.run(steps)
+    new_graphs = counters["stats"]["unique_graphs"] - graphs
+    with torch.compiler.set_stance("fail_on_recompile"):  # the same buckets again: no compile at all
+        second = pair.run(steps)
+    return {"first": first, "second": second, "graphs": new_graphs, "buckets": pair.step.compiled_buckets}
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    return build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path_factory.mktemp("compile-dense"))
+
+
+@pytest.fixture(scope="module")
+def dense_run(dense: TinyModel) -> dict[str, Any]:
+    return _compiled_run(dense, DENSE_STEPS)
+
+
+def test_dense_compiled_equals_eager(dense_run: dict[str, Any]) -> None:
+    assert dense_run["buckets"] == DENSE_BUCKETS
+    for eager, compiled in dense_run["first"] + dense_run["second"]:
+        assert eager.shape == compiled.shape
+        assert _rel(eager, compiled) <= 1e-5
+
+
+def test_dense_graphs_counted_without_breaks(dense_run: dict[str, Any]) -> None:
+    # Two regions (before and after attention) per bucket, shared by both layers.
+    assert dense_run["graphs"] == 2 * len(DENSE_BUCKETS)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_moe_compiled_equals_eager(tmp_path: Path) -> None:
+    tiny = build_tiny(MixtralConfig, MixtralForCausalLM, tmp_path, num_local_experts=8, num_experts_per_tok=2)
+    run = _compiled_run(tiny, MOE_STEPS)
+    assert run["buckets"] == {2}
+    assert run["graphs"] == 2  # before attention, and o_proj -> residual -> norm (the experts run eager)
+    for eager, compiled in run["first"] + run["second"]:
+        assert _rel(eager, compiled) <= 1e-5
+    assert not counters["graph_break"]
+
+
+def _outermost_ops(fn: Callable[[], object]) -> int:
+    """Operator calls (aten::, mkldnn::, ...) that `fn` makes and no other operator made."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    n = 0
+    for e in prof.events():
+        if "::" not in e.name:
+            continue
+        parent = e.cpu_parent
+        while parent is not None and "::" not in parent.name:
+            parent = parent.cpu_parent
+        n += parent is None
+    return n
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """The dense tiny model's shapes with 8 layers: the same compiled graphs serve it."""
+    return build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path_factory.mktemp("compile-deep"), num_hidden_layers=8)
+
+
+def test_compiled_decode_runs_under_half_the_ops(deep: TinyModel, dense_run: dict[str, Any]) -> None:
+    """The layer regions of a decode step run under half the operator calls of eager, and the
+    whole step (with the eager attention, embedding, head and batch description) fewer."""
+    pair = Pair(deep)
+    step = pair.step
+    pool = BlockPool(pair.eager.kv_cache.num_pages)
+    pages = pool.allocate(5)
+    ids = pair.seqs[0][:71]
+    whole = []
+    with torch.compiler.set_stance("fail_on_recompile"):  # bucket 1's graphs exist (dense_run)
+        for runner in (pair.eager, pair.compiled):
+            runner.run([Chunk(ids[:70], pages, 70)])  # eager in both (past the largest bucket)
+            whole.append(_outermost_ops(lambda r=runner: r.run([Chunk(ids[70:], pages, 71)])))  # type: ignore[misc]
+        # The region calls of one decode step, recorded, then replayed compiled and eager.
+        calls: list[tuple[Callable[..., Any], Callable[..., Any], tuple[Any, ...]]] = []
+        compiled_pre, compiled_post = step.pre, step.post
+        step.pre = lambda *a: calls.append((compiled_pre, pre_attention, a)) or compiled_pre(*a)
+        step.post = lambda *a: calls.append((compiled_post, post_attention, a)) or compiled_post(*a)
+        pair.compiled.run([Chunk(ids[70:], pages, 71)])
+        assert len(calls) == 2 * deep.config.num_layers
+
+        def replay(compiled: bool) -> None:
+            with torch.inference_mode():
+                for c, e, args in calls:
+                    (c if compiled else e)(*args)
+
+        eager_regions = _outermost_ops(lambda: replay(False))
+        compiled_regions = _outermost_ops(lambda: replay(True))
+    print(f"outermost operator calls: layer regions {eager_regions} eager, {compiled_regions} compiled; "
+          f"whole step {whole[0]} eager, {whole[1]} compiled")  # fmt: skip
+    assert compiled_regions < eager_regions / 2, (compiled_regions, eager_regions)
+    assert whole[1] < whole[0], whole
+
+
+def test_compile_flags() -> None:
+    from api.engine_args import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args(["--no-compile"])).compile is False
+    assert engine_config(p.parse_args(["--device", "cpu"])).compile is True  # a compiler is here (see skipif)
+    assert engine_config(p.parse_args(["--device", "cpu", "--compile"])).compile is True
+    assert engine_config(p.parse_args(["--device", "cpu", "--tensor-parallel-size", "2"])).compile is False
+    with pytest.raises(ValueError, match="--compile"):
+        engine_config(p.parse_args(["--device", "cpu", "--compile", "--tensor-parallel-size", "2"]))
+    assert torch._dynamo.config.fail_on_recompile_limit_hit  # past the limit: an error, never eager
+
+
+def test_eager_by_default_with_hooks_seeing_every_layer(dense: TinyModel) -> None:
+    """`EngineConfig()` (the doctor's, the test engines') runs eager: forward hooks see every module."""
+    from engine.engine import Engine, EngineConfig
+    from engine.sampling_params import SamplingParams
+
+    engine = Engine(dense.model, None, EngineConfig(kv_cache_bytes=1 << 22, attention_backend="torch_paged"))
+    assert engine.runner.step is dense.model
+    seen: list[str] = []
+    names = {m: n for n, m in dense.model.named_modules()}
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: seen.append(names[mod]))
+        for n, m in dense.model.named_modules()
+        if n.endswith(("mlp", "input_layernorm", "o_proj"))
+    ]
+    try:
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.run_until_idle()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert {"model.layers.1.mlp", "model.layers.0.input_layernorm", "model.layers.1.self_attn.o_proj"} <= set(seen)
