@@ -237,7 +237,7 @@ def load_weights(
         assert converter is not None
         converter.finish()
         if convert.enabled:
-            h.update(convert.tag.encode())
+            h.update(convert.fingerprint_tag.encode())
     stats.fingerprint = h.hexdigest()
     elapsed = time.perf_counter() - t0
     stats.phases["read"] = stats.phases.get("read", 0.0) + read_s

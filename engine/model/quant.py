@@ -47,8 +47,17 @@ class QuantConfig:
         """Part of the weight fingerprint: '' for unquantized weights."""
         return {"none": "", "int8": "int8", "int4": f"int4-g{self.group_size}"}[self.mode]
 
+    @property
+    def fingerprint_tag(self) -> str:
+        """What the weight fingerprint adds: the tag and, for int4, which quantizer chose the
+        codes (KV computed under an older quantizer's weights must not be reused)."""
+        return f"{self.tag}/{INT4_QUANTIZER}" if self.mode == "int4" else self.tag
+
 
 NONE = QuantConfig()
+
+# Names int4's quantizer (`int4_codes`); part of the weight fingerprint.
+INT4_QUANTIZER = "search-clip2-lsq3"
 
 # Rows (tokens) from which an int8 product widens its weight and runs a float matmul instead.
 DEQUANTIZE_ROWS = 64
