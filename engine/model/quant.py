@@ -6,7 +6,8 @@ narrow and widened inside the kernel:
 - int8: `w ~= q * scale[n]`, q int8 [N, K], one scale per output row (absmax / 127);
   `torch.ops.aten._weight_int8pack_mm(x, q, scale)`.
 - int4: per group of `group_size` input columns, `w ~= (q - 8) * scale + zero` with q in
-  0..15 (asymmetric min/max: zero = min + 8 scale), q packed two per byte by
+  0..15 (asymmetric: scale and zero per group searched to minimize the reconstruction error,
+  `int4_codes`; or a GGUF's Q4_0 / Q4_1 blocks as they are, `Int4Blocks`), packed by
   `_convert_weight_to_int4pack_for_cpu`; `_weight_int4pack_mm_for_cpu(x, packed, g, sz)`
   with sz [K/g, N, 2] (scale, zero) in the activations' dtype.
 
@@ -93,13 +94,6 @@ def int4_group(n: int, k: int, group_size: int) -> int | None:
     while g >= 32 and k % g:
         g //= 2
     return g if g >= 32 else None
-
-
-def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (packed [N, K/2] uint8 in the kernel's layout, scale_zeros [K/g, N, 2]
-    float32, exact in `dtype`)."""
-    q, sz = int4_codes(w, group, dtype)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
 
 
 def int4_codes(w: torch.Tensor, group: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
