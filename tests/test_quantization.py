@@ -11,17 +11,28 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from engine.loading.loader import LoadedModel, load
+from bench.quant_accuracy import compare, held_bytes, perplexity, teacher_forced_logits, text_ids
+from engine.loading.loader import load
 from engine.loading.weights import SafetensorsSource, load_model
-from engine.model.linear import PackedLinear
 from engine.model.model import CausalLM
 from engine.model.moe import SparseMoE
-from engine.model.quant import DEQUANTIZE_ROWS, QuantConfig, QuantEmbedding, QuantLinear, dequantized, int4_group
+from engine.model.quant import (
+    DEQUANTIZE_ROWS,
+    Int4Blocks,
+    QuantConfig,
+    QuantEmbedding,
+    QuantLinear,
+    dequantized,
+    int4_group,
+)
 from kvstore.block_pool import BlockPool
 from tests.tiny_models import TinyModel, build_tiny, make_runner, one_thread, rel_error, run_chunked
 
 MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}
 MODES = [QuantConfig("int8"), QuantConfig("int4", 32)]
+# int4 at group 128 on the demo model: the target is 0.90 top-1 agreement and perplexity within 8%
+# of bf16; what is reached is asserted (README, "Weight-only quantization").
+AGREE_G128, PPL_G128 = 0.72, 0.30
 
 
 _one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
@@ -42,6 +53,52 @@ def test_kernel_matches_dequantized_weight(mode: str, dtype: torch.dtype, shape:
         assert rel_error(got, ref[:rows]) < (1e-5 if dtype == torch.float32 else 2e-2)
     # The quantization itself: close to the float weight (4 bits per weight are coarse).
     assert rel_error(dequantized(layer), w.to(dtype).float()) < (0.01 if want_mode == "int8" else 0.15)
+
+
+def test_int4_search_beats_min_max() -> None:
+    """The int4 quantizer keeps, per group, the best of min/max, clipped ranges and least-squares
+    refits: its reconstruction error is never above min/max's, and clearly below it overall."""
+    from engine.model.quant import int4_codes
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 256) * torch.rand(64, 1)
+    w[torch.rand_like(w) < 0.01] *= 6  # outliers, as trained weights have
+    q, sz = int4_codes(w, 128)
+    errors = []
+    for codes, scale_zero in ((q, sz), _min_max_int4(w, 128)):
+        s, z = (scale_zero[..., i].T.repeat_interleave(128, dim=1) for i in (0, 1))
+        errors.append(((codes.float() - 8) * s + z - w).square().view(64, 2, 128).sum(dim=-1))
+    assert (errors[0] <= errors[1] * (1 + 1e-6)).all()
+    assert errors[0].sum() < 0.9 * errors[1].sum()
+
+
+def _min_max_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = w.view(w.shape[0], -1, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = (hi - lo) / 15
+    zero = lo + 8 * scale
+    codes = ((g - zero[..., None]) / scale[..., None] + 8).round().clamp(0, 15).view(w.shape)
+    return codes, torch.stack((scale.T, zero.T), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_blocks_are_taken_as_they_are(dtype: torch.dtype) -> None:
+    """Codes with a scale and zero per 32 (a GGUF's Q4_0 / Q4_1 blocks) become the int4 layer's
+    weights as they are at group 32 (scale and zero rounded to the activations' dtype); at other
+    groups the float weight is quantized."""
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (48, 96), dtype=torch.uint8)
+    scale, zero = torch.rand(48, 3) / 10, torch.randn(48, 3) / 10
+    blocks = Int4Blocks(codes, scale, zero)
+    s, z = (x.to(dtype).float().repeat_interleave(32, dim=1) for x in (scale, zero))
+    w = (codes.float() - 8) * s + z
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # the kernel's own rounding (bf16: of its products)
+    layer = QuantLinear(torch.zeros_like(w).to(dtype), None, QuantConfig("int4", 32), dtype, blocks=blocks)
+    assert rel_error(dequantized(layer), w) < tol  # the blocks, not the (zero) float weight
+    coarse = QuantLinear(w.to(dtype), None, QuantConfig("int4", 128), dtype, blocks=blocks)
+    assert coarse.group_size == 32 and rel_error(dequantized(coarse), w) < tol  # 96 = 3 x 32: group 32
+    layer64 = QuantLinear(torch.randn(48, 128).to(dtype), None, QuantConfig("int4", 64), dtype, blocks=None)
+    assert layer64.group_size == 64
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda q: q.tag)
@@ -129,82 +186,78 @@ def test_fingerprints_differ_by_quantization(tiny: TinyModel) -> None:
 
 # --- the demo model against bf16 ---------------------------------------------------------------
 
-TEXT = (
-    "The history of the bicycle begins in the early nineteenth century, when inventors in Europe "
-    "experimented with two-wheeled machines that riders pushed along with their feet. These early "
-    "designs were heavy and uncomfortable, but they showed that a person could balance on two wheels "
-    "while moving. Over the following decades, engineers added pedals to the front wheel, which made "
-    "the machine faster but also more dangerous, because the front wheel grew larger and larger to "
-    "increase speed. The so-called safety bicycle, introduced in the 1880s, solved this problem with "
-    "two wheels of equal size and a chain that drove the rear wheel. Pneumatic tires followed soon "
-    "after, making the ride smoother and more pleasant. Within a few years, millions of people in "
-    "cities and villages around the world were riding bicycles to work, to school, and for pleasure. "
-    "The bicycle gave ordinary people a new kind of freedom: they could travel farther than they could "
-    "walk, without the cost of keeping a horse. Women in particular found that cycling changed their "
-    "lives, and the bicycle became a symbol of independence. Today, bicycles remain one of the most "
-    "efficient forms of transport ever invented, converting the energy of the rider into motion with "
-    "very little waste, and many cities are building new lanes to encourage people to ride them."
-)
+
+@pytest.fixture(scope="module")
+def bf16_reference(demo_gguf: Path) -> tuple[list[int], torch.Tensor, int]:
+    """The fixed text's ids, bf16's teacher-forced logits over them, bf16's weight bytes."""
+    base = load(str(demo_gguf), dtype="bfloat16", progress=False)
+    ids = text_ids(base)
+    return ids, teacher_forced_logits(base, ids), held_bytes(base.model)
 
 
-def _held_bytes(model: CausalLM) -> int:
-    """Bytes of weights held; a bf16 model's prepacked copy of its tied head is not counted (the
-    comparison is against the checkpoint's bf16 weights)."""
-    skip = {id(p) for p in model.tied_head.parameters()} if isinstance(model.tied_head, PackedLinear) else set()
-    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in skip}
-    return sum(t.numel() * t.element_size() for t in tensors.values() if t.dtype != torch.float32 or t.dim() > 1)
-
-
-def _teacher_forced_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
-    runner = make_runner(lm.config, lm.model, num_pages=32)
-    return run_chunked(runner, BlockPool(runner.kv_cache.num_pages), ids, 512)
-
-
-def decided(logits: torch.Tensor) -> torch.Tensor:
-    """[N, V] bf16-valued logits -> [N] bool: positions whose top-1 beats the runner-up by more
-    than one bf16 step at its magnitude. bf16 cannot order the others: float32 agrees with bf16's
-    top-1 at only ~96% of this text's positions, mostly exact ties of the bf16 logits."""
-    top2 = logits.topk(2, dim=-1).values
-    ulp = torch.exp2(torch.floor(torch.log2(top2[:, 0].abs())) - 7)
-    return (top2[:, 0] - top2[:, 1]) > ulp
+# (mode, group, top-1 agreement, perplexity bound, weight bytes bound). int4 at group 32 takes the
+# GGUF's Q4_1 codes as they are; at 128 it quantizes the dequantized float weights (576-wide
+# inputs take group 64: 576 = 9 x 64). Its LM head (the tied embedding) stays int8, see README.
+DEMO_CASES = [("int8", 32, 0.97, 0.02, 0.55), ("int4", 32, 0.90, 0.08, 0.36), ("int4", 128, AGREE_G128, PPL_G128, 0.35)]
 
 
 @pytest.mark.slow
-def test_demo_quantized_accuracy(demo_gguf: Path) -> None:
-    """int8 and int4 (group 32) keep >= 97% / >= 90% of bf16's top-1 tokens over 256
-    teacher-forced tokens (where bf16 decides one: `decided`), perplexity within 2% / 8%, the
-    France question still answered; weight bytes held <= 0.55x / 0.36x of bf16. int4 at group
-    128 is measured and printed: the demo GGUF is Q4_1 (group 32), which group 32 reproduces
-    exactly and coarser groups quantize a second time."""
-    base = load(str(demo_gguf), dtype="bfloat16", progress=False)
-    ids = base.tokenizer.encode(TEXT)[:256]
-    assert len(ids) == 256
-    ref = _teacher_forced_logits(base, ids)
-    want, sure = ref.argmax(dim=-1), decided(ref)
-    target = torch.tensor(ids[1:])
-    ppl_ref = torch.nn.functional.cross_entropy(ref[:-1], target).exp().item()
-    bf16_bytes = _held_bytes(base.model)
-    del base
-    # int4 holds 0.353x: its LM head (the tied embedding, 21% of the model) stays int8 for accuracy.
-    cases = (("int8", 32, 0.97, 0.02, 0.55), ("int4", 32, 0.90, 0.08, 0.36), ("int4", 128, 0.0, 1.0, 0.36))
-    for mode, group, agreement, ppl_bound, ratio in cases:
-        lm = load(str(demo_gguf), dtype="bfloat16", progress=False, quantization=mode, group_size=group)
-        logits = _teacher_forced_logits(lm, ids)
-        same = logits.argmax(dim=-1) == want
-        ppl = torch.nn.functional.cross_entropy(logits[:-1], target).exp().item()
-        held = _held_bytes(lm.model) / bf16_bytes
-        print(
-            f"{mode} group {group}: top-1 agreement {same[sure].float().mean():.3f} where bf16 decides "
-            f"({same.float().mean():.3f} overall), perplexity {ppl:.2f} vs {ppl_ref:.2f}, "
-            f"weight bytes {held:.3f}x of bf16"
-        )
-        assert same[sure].float().mean() >= agreement
-        assert ppl <= ppl_ref * (1 + ppl_bound)
-        assert held <= ratio
-        if mode == "int8":
-            from tests.tiny_models import engine_greedy
+@pytest.mark.parametrize(("mode", "group", "agreement", "ppl_bound", "ratio"), DEMO_CASES, ids=lambda v: str(v))
+def test_demo_quantized_accuracy(
+    demo_gguf: Path,
+    bf16_reference: tuple[list[int], torch.Tensor, int],
+    mode: str,
+    group: int,
+    agreement: float,
+    ppl_bound: float,
+    ratio: float,
+) -> None:
+    """Top-1 agreement with bf16 over 256 teacher-forced tokens (where bf16 decides one:
+    `decided`), perplexity against bf16's, weight bytes held against bf16's; int8 still answers
+    the France question."""
+    ids, ref, bf16_bytes = bf16_reference
+    lm = load(str(demo_gguf), dtype="bfloat16", progress=False, quantization=mode, group_size=group)
+    got = compare(teacher_forced_logits(lm, ids), ref, ids)
+    held = held_bytes(lm.model) / bf16_bytes
+    ppl_ref = perplexity(ref, ids)
+    print(f"{mode} group {group}: {got}, bf16 perplexity {ppl_ref:.2f}, weight bytes {held:.3f}x of bf16")
+    assert got["agreement"] >= agreement
+    assert got["perplexity"] <= ppl_ref * (1 + ppl_bound)
+    assert held <= ratio
+    if mode == "int4":
+        groups = {m.group_size for m in lm.model.modules() if isinstance(m, QuantLinear) and m.mode == "int4"}
+        assert groups == ({32} if group == 32 else {64, 128})
+    if mode == "int8":
+        from tests.tiny_models import engine_greedy
 
-            prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-            answer = lm.tokenizer.decode(engine_greedy(lm.model, [prompt], 16, tokenizer=lm.tokenizer)[0])
-            assert "Paris" in answer, answer
-        del lm
+        prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+        answer = lm.tokenizer.decode(engine_greedy(lm.model, [prompt], 16, tokenizer=lm.tokenizer)[0])
+        assert "Paris" in answer, answer
+
+
+@pytest.mark.slow
+def test_q4_1_blocks_become_int4_group_32_exactly(demo_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4 at group 32 takes a Q4_1 file's codes, scales and minima as they are (nothing is
+    quantized again: the quantizer is not called): in float32 the quantized linears compute with
+    exactly the weights the file dequantizes to (the fused QKV with llama's Q/K rows un-permuted,
+    gate+up)."""
+    import engine.model.quant as quant
+    from engine.loading.gguf_file import GGUFSource
+
+    def no_requantizing(*args: object) -> None:
+        raise AssertionError("a Q4_1 weight was quantized again")
+
+    monkeypatch.setattr(quant, "int4_codes", no_requantizing)
+    src = GGUFSource(demo_gguf)
+    lm = load(str(demo_gguf), dtype="float32", progress=False, quantization="int4", group_size=32)
+    want = {t.name: t for t in src.tensors() if t.name.startswith("model.layers.3.")}
+    layer = lm.model.model.layers[3]
+    fused = {
+        layer.self_attn.qkv_proj: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        layer.mlp.gate_up_proj: ("mlp.gate_proj", "mlp.up_proj"),
+        layer.mlp.down_proj: ("mlp.down_proj",),
+    }
+    for module, parts in fused.items():
+        assert isinstance(module, QuantLinear) and module.mode == "int4" and module.group_size == 32
+        expected = torch.cat([want[f"model.layers.3.{p}.weight"].read() for p in parts])
+        assert torch.equal(dequantized(module), expected), parts

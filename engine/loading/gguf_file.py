@@ -27,6 +27,7 @@ from gguf.quants import dequantize
 from engine.loading.safetensors_file import CheckpointError
 from engine.loading.weights import SourceTensor
 from engine.model.config import ModelConfig, RopeConfig, UnsupportedModel
+from engine.model.quant import Int4Blocks
 
 # GGUF `general.architecture` -> transformers architecture.
 GGUF_ARCHITECTURES = {
@@ -271,8 +272,14 @@ class GGUFSource:
                 continue  # folded into config.rope
             name, permute_heads = self._hf_name(t.name)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            int4 = partial(self._read_int4, t, shape, permute_heads) if _int4_type(t, shape) else None
             yield SourceTensor(
-                name, shape, int(t.n_bytes), str(self.path), partial(self._read, t, shape, permute_heads)
+                name,
+                shape,
+                int(t.n_bytes),
+                str(self.path),
+                partial(self._read, t, shape, permute_heads),
+                read_int4=int4,
             )
 
     def _hf_name(self, name: str) -> tuple[str, int | None]:
@@ -303,6 +310,29 @@ class GGUFSource:
             arr = arr.copy()
         out = torch.from_numpy(arr).reshape(shape)
         return unpermute_qk(out, permute_heads) if permute_heads else out
+
+    def _read_int4(self, t: ReaderTensor, shape: tuple[int, ...], permute_heads: int | None) -> Int4Blocks:
+        """A Q4_0 / Q4_1 matrix's blocks as they are: codes [N, K] and per 32 a scale and zero.
+        Each block is a float16 scale d (Q4_1: then a float16 min m) and 16 bytes holding the
+        block's 32 codes, elements 0-15 in the low nibbles, 16-31 in the high ones; the value is
+        d (q - 8) (Q4_0) or d q + m (Q4_1)."""
+        N, K = shape
+        head = 2 if t.tensor_type == GGMLQuantizationType.Q4_0 else 4
+        b = np.asarray(t.data).reshape(N, K // 32, head + 16)
+        d = torch.from_numpy(b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+        if head == 4:
+            zero = torch.from_numpy(b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)) + 8 * d
+        else:
+            zero = torch.zeros_like(d)
+        qs = torch.from_numpy(b[..., head:].copy())  # [N, K/32, 16]
+        codes = torch.cat((qs & 15, qs >> 4), dim=-1).reshape(N, K)
+        if permute_heads:
+            codes, d, zero = (unpermute_qk(x, permute_heads) for x in (codes, d, zero))
+        return Int4Blocks(codes, d, zero)
+
+
+def _int4_type(t: ReaderTensor, shape: tuple[int, ...]) -> bool:
+    return t.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1) and len(shape) == 2
 
 
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:

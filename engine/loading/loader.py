@@ -144,8 +144,8 @@ def load(
             quantized loads cache only the config and tokenizer.
         on_tensor: called with each tensor as it is read (see `load_weights`).
         quantization: none, int8 or int4 (weight-only, every linear; `engine/model/quant.py`),
-            applied while the weights stream in; GGUF blocks are dequantized first, then
-            requantized.
+            applied while the weights stream in; int4 at group 32 takes GGUF Q4_0 / Q4_1
+            blocks as they are, other GGUF blocks are dequantized, then quantized again.
         group_size: int4's group (32, 64 or 128).
     """
     quant = QuantConfig(quantization, group_size)

@@ -35,7 +35,7 @@ from engine.model.layers import OTHER_RANK, ShardIndex
 from engine.model.linear import convert_module, convert_tied_head
 from engine.model.model import CausalLM
 from engine.model.moe import SparseMoE
-from engine.model.quant import NONE, QuantConfig, int8_scales
+from engine.model.quant import NONE, Int4Blocks, QuantConfig, int8_scales
 from engine.model.tp import SourceSlice
 
 log = logging.getLogger("longctx.weights")
@@ -57,6 +57,9 @@ class SourceTensor:
     read: Callable[[], torch.Tensor]
     # Reads only a part (a tensor-parallel rank's slice): (tensor, bytes read). None: read whole, then slice.
     read_part: Callable[[SourceSlice], tuple[torch.Tensor, int]] | None = None
+    # The whole tensor as 4-bit codes per group of 32 (GGUF Q4_0 / Q4_1), for int4 at group 32 to
+    # take as they are. None: no such blocks (the float `read` is quantized instead).
+    read_int4: Callable[[], Int4Blocks] | None = None
 
 
 class TensorSource(Protocol):
@@ -200,6 +203,8 @@ def load_weights(
         if on_tensor is not None:
             on_tensor(t, value)
         dest.copy_(value.to(dest.dtype))
+        if converter is not None and part is None and t.read_int4 is not None and converter.takes_blocks(param):
+            converter.add_blocks(pname, param, specs[shard] if specs is not None and shard is not None else None, t)
         loaded[pname].add(shard)
         stats.bytes_read += nbytes
         stats.num_tensors += 1
@@ -232,7 +237,7 @@ def load_weights(
         assert converter is not None
         converter.finish()
         if convert.enabled:
-            h.update(convert.tag.encode())
+            h.update(convert.fingerprint_tag.encode())
     stats.fingerprint = h.hexdigest()
     elapsed = time.perf_counter() - t0
     stats.phases["read"] = stats.phases.get("read", 0.0) + read_s
@@ -257,6 +262,42 @@ class _Converter:
         }
         self.deferred: list[str] = []
         self.done: set[str] = set()
+        # Per weight, its 4-bit codes assembled from the checkpoint's blocks, and the rows filled.
+        self.blocks: dict[str, tuple[Int4Blocks, int]] = {}
+
+    def takes_blocks(self, param: torch.Tensor) -> bool:
+        """Would int4 take this weight's codes as they are (int4 at the blocks' group of 32)?"""
+        return (
+            self.quant.mode == "int4"
+            and self.quant.group_size == Int4Blocks.GROUP
+            and param.dim() == 2
+            and not self.model.parallel.sharded
+        )
+
+    def add_blocks(self, pname: str, param: torch.Tensor, index: ShardIndex | None, t: SourceTensor) -> None:
+        assert t.read_int4 is not None
+        part = t.read_int4()
+        N, K = param.shape
+        if pname not in self.blocks:
+            empty = Int4Blocks(
+                torch.zeros(N, K, dtype=torch.uint8),
+                torch.zeros(N, K // Int4Blocks.GROUP),
+                torch.zeros(N, K // Int4Blocks.GROUP),
+            )
+            self.blocks[pname] = (empty, 0)
+        whole, rows = self.blocks[pname]
+        at = index if index is not None else (slice(None),)
+        whole.codes[at] = part.codes
+        whole.scale[at] = part.scale
+        whole.zero[at] = part.zero
+        self.blocks[pname] = (whole, rows + part.codes.shape[0])
+
+    def complete_blocks(self, pname: str, param: torch.Tensor | None) -> Int4Blocks | None:
+        """The weight's codes if every row of it came as blocks (then forgotten), else None."""
+        entry = self.blocks.pop(pname, None)
+        if entry is None or param is None or entry[1] != param.shape[0]:
+            return None
+        return entry[0]
 
     def params_of(self, pname: str) -> list[str]:
         owner = pname.rpartition(".")[0]
@@ -284,7 +325,9 @@ class _Converter:
         ):
             self.deferred.append(owner)  # needs the whole rows' maxima: collectives, in one order on all ranks
             return False
-        return convert_module(self.model, owner, self.quant)
+        weight = f"{owner}.weight"
+        blocks = self.complete_blocks(weight, self.model.get_parameter(weight) if weight in loaded else None)
+        return convert_module(self.model, owner, self.quant, blocks=blocks)
 
     def finish(self) -> None:
         """Row-parallel int8 linears (every rank, sorted), then the tied head."""
@@ -299,7 +342,9 @@ class _Converter:
                     full = gathered.view(local.shape[0], parallel.world_size, -1).amax(dim=1)
                     absmax[name] = full if p.dim() == 3 else full[0]
             convert_module(self.model, owner, self.quant, absmax)
-        convert_tied_head(self.model, self.quant)
+        embed = "model.embed_tokens.weight"
+        blocks = self.complete_blocks(embed, self.model.get_parameter(embed) if self.blocks.get(embed) else None)
+        convert_tied_head(self.model, self.quant, blocks)
 
 
 def _digest(name: str, value: torch.Tensor) -> bytes:

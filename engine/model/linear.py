@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engine.model.moe import SparseMoE
-from engine.model.quant import NONE, QuantConfig, QuantEmbedding, QuantLinear
+from engine.model.quant import NONE, Int4Blocks, QuantConfig, QuantEmbedding, QuantLinear
 
 log = logging.getLogger("longctx.linear")
 
@@ -67,24 +67,31 @@ def make_linear(
     bias: torch.Tensor | None,
     quant: QuantConfig,
     absmax: torch.Tensor | None = None,
+    blocks: Int4Blocks | None = None,
 ) -> nn.Module | None:
     """The fast module for `y = x W^T + b` (weight [out, in]): quantized, prepacked bf16, or
-    None when plain `F.linear` is as good (float32, or no oneDNN)."""
+    None when plain `F.linear` is as good (float32, or no oneDNN). blocks: the weight's own 4-bit
+    codes (a GGUF's Q4_0 / Q4_1), which int4 at group 32 takes as they are."""
     if quant.enabled:
-        return QuantLinear(weight, bias, quant, weight.dtype, absmax)
+        return QuantLinear(weight, bias, quant, weight.dtype, absmax, blocks)
     if packing_supported(weight.dtype, weight.device):
         return PackedLinear(weight, bias)
     return None
 
 
 def convert_module(
-    model: nn.Module, name: str, quant: QuantConfig = NONE, absmax: dict[str, torch.Tensor] | None = None
+    model: nn.Module,
+    name: str,
+    quant: QuantConfig = NONE,
+    absmax: dict[str, torch.Tensor] | None = None,
+    blocks: Int4Blocks | None = None,
 ) -> bool:
     """Replace the loaded `nn.Linear` at `name` (or the expert stacks of the `SparseMoE` there)
     by packed or quantized modules, dropping the float weights. Returns whether anything changed.
 
     absmax: per parameter name (`<name>.weight`, `<name>.w2`), the int8 row maxima over the whole
-    checkpoint row, for ranks that hold only some of a row's columns."""
+    checkpoint row, for ranks that hold only some of a row's columns. blocks: a linear's weight as
+    4-bit codes (`make_linear`)."""
     absmax = absmax or {}
     module = model.get_submodule(name)
     if isinstance(module, nn.Linear):
@@ -94,6 +101,7 @@ def convert_module(
             None if module.bias is None else module.bias.detach(),
             q,
             absmax.get(f"{name}.weight"),
+            blocks,
         )
         if new is None:
             return False
@@ -120,19 +128,19 @@ def convert_module(
     return False
 
 
-def convert_tied_head(model: nn.Module, quant: QuantConfig = NONE) -> bool:
+def convert_tied_head(model: nn.Module, quant: QuantConfig = NONE, blocks: Int4Blocks | None = None) -> bool:
     """Give a tied model (`model.tied_head`) its LM head as a linear of its own, packed or
     quantized from the embedding table. Quantized, the embedding is then read back from the
     head's quantized rows, so the float table is dropped (single process only)."""
     embed = model.model.embed_tokens  # type: ignore[union-attr]
     if model.lm_head is not None:  # type: ignore[union-attr]
         return False
-    head = make_linear(embed.weight.detach(), None, head_quant(quant))
+    head = make_linear(embed.weight.detach(), None, head_quant(quant), blocks=blocks)
     if head is None:
         return False
     model.tied_head = head
     if isinstance(head, QuantLinear):
-        table = QuantEmbedding(head, embed.weight.detach())
+        table = QuantEmbedding(head, embed.weight.detach(), blocks)
         if type(embed) is nn.Embedding:
             model.model.embed_tokens = table  # type: ignore[union-attr]
         else:  # vocabulary-parallel: keeps its float table, holding the same dequantized rows

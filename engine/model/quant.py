@@ -6,7 +6,8 @@ narrow and widened inside the kernel:
 - int8: `w ~= q * scale[n]`, q int8 [N, K], one scale per output row (absmax / 127);
   `torch.ops.aten._weight_int8pack_mm(x, q, scale)`.
 - int4: per group of `group_size` input columns, `w ~= (q - 8) * scale + zero` with q in
-  0..15 (asymmetric min/max: zero = min + 8 scale), q packed two per byte by
+  0..15 (asymmetric: scale and zero per group searched to minimize the reconstruction error,
+  `int4_codes`; or a GGUF's Q4_0 / Q4_1 blocks as they are, `Int4Blocks`), packed by
   `_convert_weight_to_int4pack_for_cpu`; `_weight_int4pack_mm_for_cpu(x, packed, g, sz)`
   with sz [K/g, N, 2] (scale, zero) in the activations' dtype.
 
@@ -47,8 +48,17 @@ class QuantConfig:
         """Part of the weight fingerprint: '' for unquantized weights."""
         return {"none": "", "int8": "int8", "int4": f"int4-g{self.group_size}"}[self.mode]
 
+    @property
+    def fingerprint_tag(self) -> str:
+        """What the weight fingerprint adds: the tag and, for int4, which quantizer chose the
+        codes (KV computed under an older quantizer's weights must not be reused)."""
+        return f"{self.tag}/{INT4_QUANTIZER}" if self.mode == "int4" else self.tag
+
 
 NONE = QuantConfig()
+
+# Names int4's quantizer (`int4_codes`); part of the weight fingerprint.
+INT4_QUANTIZER = "search-clip2-lsq3"
 
 # Rows (tokens) from which an int8 product widens its weight and runs a float matmul instead.
 DEQUANTIZE_ROWS = 64
@@ -86,33 +96,88 @@ def int4_group(n: int, k: int, group_size: int) -> int | None:
     return g if g >= 32 else None
 
 
-def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (packed [N, K/2] uint8 in the kernel's layout, scale_zeros [K/g, N, 2]
-    float32, exact in `dtype`)."""
-    q, sz = int4_codes(w, group, dtype)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
-
-
 def int4_codes(w: torch.Tensor, group: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (q [N, K] int32 in 0..15, scale_zeros [K/g, N, 2] float32).
+    """w [N, K] float -> (q [N, K] int32 in 0..15, scale_zeros [K/g, N, 2] float32): per group,
+    the asymmetric (scale, zero) that most reduces the squared reconstruction error.
 
-    Scale and zero are first rounded to `dtype` (the kernel takes them in the activations'
-    dtype), and the codes rounded against that grid: in bf16, rounding the zero after choosing
-    the codes shifts every weight of a group by up to 8 scale ulps."""
+    Min/max is the starting point; then a clipping search (the range shrunk towards zero by
+    `CLIP_RATIOS`, as AWQ searches its clip) and alternating least squares (codes fixed: the
+    best scale and zero in closed form; scale and zero fixed: the nearest codes), keeping per
+    group whichever was best. Scale and zero are rounded to `dtype` (the kernel takes them in
+    the activations' dtype) before the codes are chosen against them: in bf16, rounding the
+    zero after choosing the codes shifts every weight of a group by up to 8 scale ulps."""
     N, K = w.shape
     q = torch.empty(N, K, dtype=torch.int32, device=w.device)
     sz = torch.empty(K // group, N, 2, dtype=torch.float32, device=w.device)
     for i, c in enumerate(w.split(_CHUNK_ROWS)):
         rows = slice(i * _CHUNK_ROWS, i * _CHUNK_ROWS + c.shape[0])
         g = c.float().view(c.shape[0], K // group, group)
-        lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [n, K/g]
-        scale = ((hi - lo) / 15).clamp_(min=1e-12).to(dtype).float()
-        zero = (lo + 8 * scale).to(dtype).float()
-        codes = ((g - zero[..., None]) / scale[..., None] + 8).round_().clamp_(0, 15)
+        codes, scale, zero = _search_int4(g, dtype)
         q[rows] = codes.view(c.shape[0], K).int()
         sz[:, rows, 0] = scale.T
         sz[:, rows, 1] = zero.T
     return q, sz
+
+
+# Range shrink factors tried by the clipping search, and rounds of least-squares refinement.
+CLIP_RATIOS = (0.9, 0.8)
+LSQ_ROUNDS = 3
+
+
+def _search_int4(g: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """g [n, G, group] float32 -> (codes [n, G, group] float 0..15, scale [n, G], zero [n, G])."""
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [n, G]
+
+    def fit(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        scale = scale.clamp(min=1e-12).to(dtype).float()
+        zero = zero.to(dtype).float()
+        codes = ((g - zero[..., None]) / scale[..., None] + 8).round_().clamp_(0, 15)
+        err = ((codes - 8) * scale[..., None] + zero[..., None] - g).square_().sum(dim=-1)
+        return codes, scale, zero, err
+
+    def minmax(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        scale = ((hi - lo) / 15).clamp(min=1e-12).to(dtype).float()
+        return fit(scale, lo + 8 * scale)
+
+    best = minmax(lo, hi)
+
+    def keep(cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        nonlocal best
+        better = cand[3] < best[3]
+        best = (
+            torch.where(better[..., None], cand[0], best[0]),
+            torch.where(better, cand[1], best[1]),
+            torch.where(better, cand[2], best[2]),
+            torch.where(better, cand[3], best[3]),
+        )
+
+    for r in CLIP_RATIOS:
+        keep(minmax(lo * r, hi * r))
+    for _ in range(LSQ_ROUNDS):
+        u = best[0] - 8
+        mu, mw = u.mean(dim=-1, keepdim=True), g.mean(dim=-1, keepdim=True)
+        var = (u - mu).square().sum(dim=-1)
+        cov = ((u - mu) * (g - mw)).sum(dim=-1)
+        scale = torch.where(var > 0, cov / var.clamp(min=1e-12), best[1])
+        keep(fit(scale, mw[..., 0] - scale * mu[..., 0]))
+    return best[0], best[1], best[2]
+
+
+@dataclass(frozen=True)
+class Int4Blocks:
+    """A weight already stored as 4-bit codes per group of 32 inputs (GGUF's Q4_0 / Q4_1 blocks):
+    `w = (codes - 8) * scale + zero` (Q4_0: zero 0; Q4_1's `d q + m`: zero = m + 8 d)."""
+
+    codes: torch.Tensor  # [N, K] uint8 in 0..15
+    scale: torch.Tensor  # [N, K / 32] float32
+    zero: torch.Tensor  # [N, K / 32] float32
+
+    GROUP = 32
+
+    def int4(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [N, K] int32, scale_zeros [K/32, N, 2] float32 rounded to `dtype`), as `int4_codes`."""
+        sz = torch.stack((self.scale, self.zero), dim=-1).transpose(0, 1).to(dtype).float()
+        return self.codes.int(), sz.contiguous()
 
 
 class QuantLinear(nn.Module):
@@ -127,14 +192,21 @@ class QuantLinear(nn.Module):
         config: QuantConfig,
         dtype: torch.dtype,
         absmax: torch.Tensor | None = None,
+        blocks: Int4Blocks | None = None,
     ):
+        """blocks: the weight's 4-bit codes, taken as they are when int4 runs at their group (32);
+        otherwise the float `weight` is quantized."""
         super().__init__()
         N, K = weight.shape
         self.in_features, self.out_features = K, N
         group = int4_group(N, K, config.group_size) if config.mode == "int4" else None
         if group is not None and absmax is None:
             self.mode, self.group_size = "int4", group
-            packed, sz = quantize_int4(weight, group, dtype)
+            if blocks is not None and group == Int4Blocks.GROUP:
+                q, sz = blocks.int4(dtype)
+            else:
+                q, sz = int4_codes(weight, group, dtype)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.qweight = nn.Parameter(packed, requires_grad=False)
             self.scales = nn.Parameter(sz.to(dtype), requires_grad=False)
         else:  # int8, and int4's fallback for shapes its kernel cannot take
@@ -171,7 +243,7 @@ class QuantEmbedding(nn.Module):
     int8 shares the head's tensors; int4 keeps the same codes packed row-wise (two per byte,
     low nibble first; the kernel's layout interleaves rows) and shares the head's scales."""
 
-    def __init__(self, head: QuantLinear, weight: torch.Tensor):
+    def __init__(self, head: QuantLinear, weight: torch.Tensor, blocks: Int4Blocks | None = None):
         super().__init__()
         self.head = [head]  # not a submodule: its parameters are counted once, as the head's
         self.num_embeddings, self.embedding_dim = weight.shape
@@ -179,7 +251,11 @@ class QuantEmbedding(nn.Module):
         # must not find uint8 here.
         rows = None
         if head.mode == "int4":
-            q, _ = int4_codes(weight, head.group_size, head.scales.dtype)
+            # The head's own codes: its blocks' when it took them, else the same quantization again.
+            if blocks is not None and head.group_size == Int4Blocks.GROUP:
+                q = blocks.codes.int()
+            else:
+                q = int4_codes(weight, head.group_size, head.scales.dtype)[0]
             rows = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
         self.rows: torch.Tensor | None
         self.register_buffer("rows", rows, persistent=False)
