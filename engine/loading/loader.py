@@ -88,7 +88,7 @@ def open_source(
 
 def _cached_weights(cache: GGUFCache, dtype: torch.dtype) -> SafetensorsSource | None:
     try:
-        return SafetensorsSource(cache.weights_dir(dtype))
+        return SafetensorsSource(cache.weights_dir(dtype), mapped=True)
     except (CheckpointError, OSError) as e:  # unreadable or damaged: read the GGUF again
         log.warning("ignoring the conversion cache %s: %s", cache.weights_dir(dtype), e)
         return None
@@ -115,9 +115,7 @@ def _cache_weights(cache: GGUFCache, tensors: TensorSource, dtype: torch.dtype, 
 def load_tokenizer(source: ModelPath, eos_token_ids: tuple[int, ...], cache: GGUFCache | None) -> Tokenizer:
     """The tokenizer; a GGUF's converted one is saved in, and next time read from, its cache."""
     if cache is not None and cache.has_tokenizer():
-        from transformers import AutoTokenizer
-
-        return Tokenizer(AutoTokenizer.from_pretrained(str(cache.tokenizer_dir)), eos_token_ids)
+        return Tokenizer.from_saved(cache.tokenizer_dir, eos_token_ids)
     tokenizer = Tokenizer.load(source, eos_token_ids)
     if cache is not None:
         cache.save_tokenizer(tokenizer.hf)
