@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,6 +134,7 @@ def load(
     on_tensor: TensorCallback | None = None,
     quantization: str = "none",
     group_size: int = 32,
+    before_tokenizer: Callable[[], object] | None = None,
 ) -> LoadedModel:
     """Resolve, read config, load weights and tokenizer. Phases are timed into the stats.
 
@@ -145,6 +147,9 @@ def load(
             applied while the weights stream in; GGUF blocks are dequantized first, then
             requantized.
         group_size: int4's group (32, 64 or 128).
+        before_tokenizer: called (on the loading thread) once the weights are in, before the
+            tokenizer loads: `serve` waits there until its own thread has imported transformers
+            (importing it from two threads at once fails).
     """
     quant = QuantConfig(quantization, group_size)
     dev = torch.device(device)
@@ -175,6 +180,9 @@ def load(
     if weights_cache is not None:
         _cache_weights(weights_cache, tensors, torch_dtype, stats)
         stats.phases["cache weights"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+    if before_tokenizer is not None:
+        before_tokenizer()
         t1 = time.perf_counter()
     tokenizer = load_tokenizer(source, config.eos_token_ids, gguf_cache)
     stats.phases = {"resolve+config": t_config, **stats.phases, "tokenizer": time.perf_counter() - t1}
