@@ -97,7 +97,9 @@ class SessionService:
             if req.background:
                 return await self._enqueue(plan, undo, req.stream)
             turn = Turn(self.engine, self.store, plan, plan.assembler.writer, self.config.lease_renew_s)
-            if plan.store and plan.conversation_id is not None:  # retrievable while it runs (`sessions.recovery`)
+            if plan.store:  # retrievable while it runs, `failed` if its server dies (`sessions.recovery`)
+                if plan.conversation_id is None:
+                    await self.store.responses.hold(plan.response.id)
                 await self.store.responses.save(tenant, plan.response)
             turn.submit()
         except BaseException:

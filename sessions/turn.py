@@ -110,7 +110,7 @@ class Turn:
         for i, item in enumerate(p.assembler.items):  # made before generation (a compaction item)
             await self.writer.item_added(i, item)
             await self.writer.item_done(i, item)
-        renew = asyncio.create_task(self._renew()) if p.fence is not None else None
+        renew = asyncio.create_task(self._renew()) if p.fence is not None or self._holds_response() else None
         output_ids: list[int] = []
         reasoning_tokens = cached = 0
         reason: FinishReason | None = None
@@ -197,11 +197,22 @@ class Turn:
             except StoreError:
                 log.warning("could not release the lease of %s; it expires by itself", p.conversation_id)
 
+    def _holds_response(self) -> bool:
+        """A stored foreground response outside a conversation: its `hold` is renewed as it runs."""
+        p = self.plan
+        return p.store and p.conversation_id is None and not p.response.background
+
     async def _renew(self) -> None:
         p = self.plan
-        assert p.conversation_id is not None and p.fence is not None
         while True:
             await asyncio.sleep(self.renew_s)
+            if p.fence is None:
+                try:
+                    await self.store.responses.hold(p.response.id)
+                except StoreError as e:  # transient: the mark outlives two missed renewals
+                    log.warning("renewal of %s failed: %s", p.response.id, e)
+                continue
+            assert p.conversation_id is not None
             try:
                 await self.store.conversations.renew_lease(p.conversation_id, p.response.id, p.fence)
             except LeaseLost:
