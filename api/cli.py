@@ -137,7 +137,11 @@ def _serve(args: argparse.Namespace) -> int:
             model.imported()
 
     routes = [responses.router, conversations.router, chat.router]
-    return run(args, routes=routes, setup=responses.setup, model=model)
+    try:
+        return run(args, routes=routes, setup=responses.setup, model=model)
+    finally:
+        if model is not None:
+            model.finish()
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -60,6 +60,12 @@ class ModelLoad:
         finally:
             self._done.set()
 
+    def finish(self, timeout_s: float = 120) -> None:
+        """Let a load still running end before the process exits (an early exit, or a signal during
+        loading): interpreter shutdown under a thread inside torch's kernels can crash."""
+        self._imported.set()
+        self._done.wait(timeout_s)
+
     def wait(self) -> Any:
         """The `LoadedModel` (blocks until loaded); raises what loading raised."""
         self._done.wait()
