@@ -127,6 +127,14 @@ class ResponseStore:
 
         await self.retrier.run(once, resp_id)
 
+    async def release(self, resp_id: str) -> None:
+        """Drop the mark once the response is final (it would expire by itself)."""
+
+        async def once() -> Any:
+            return await self.client.delete(self.keys.resp_lease(resp_id))
+
+        await self.retrier.run(once, resp_id)
+
     async def held(self, resp_id: str) -> bool:
         async def once() -> Any:
             return await self.client.exists(self.keys.resp_lease(resp_id))

@@ -182,6 +182,7 @@ class SessionService:
             response = await self.store.responses.get(tenant, first)
         except NotFound:
             raise RequestInProgress(first) from None
+        response = await settle(self.store, tenant, response, running=False)  # its server may have died
         if not response.terminal:
             raise RequestInProgress(first)
         if not stream:

@@ -178,6 +178,8 @@ class Turn:
                 await self.store.responses.save(
                     p.tenant, final, p.input_items, prompt_ids=p.prompt_ids, output_ids=output_ids
                 )
+                if self._holds_response():
+                    await self._release_response()
         except (LeaseLost, Conflict) as e:
             await self._release()
             if self.stopped == "cancelled" and isinstance(e, Conflict):  # cancelled (and written) elsewhere
@@ -196,6 +198,12 @@ class Turn:
                 await self.store.conversations.release_lease(p.conversation_id, p.response.id, p.fence)
             except StoreError:
                 log.warning("could not release the lease of %s; it expires by itself", p.conversation_id)
+
+    async def _release_response(self) -> None:
+        try:
+            await self.store.responses.release(self.plan.response.id)
+        except StoreError:
+            log.warning("could not drop the lease of %s; it expires by itself", self.plan.response.id)
 
     def _holds_response(self) -> bool:
         """A stored foreground response outside a conversation: its `hold` is renewed as it runs."""
