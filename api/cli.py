@@ -126,10 +126,22 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from api import chat, conversations, responses
-    from api.serve import run
+    from api.model_load import ModelLoad
 
-    return run(args, routes=[responses.router, conversations.router, chat.router], setup=responses.setup)
+    model = ModelLoad.start(args)  # loads while the HTTP stack below is imported
+    try:
+        from api import chat, conversations, responses
+        from api.serve import run
+    finally:
+        if model is not None:
+            model.imported()
+
+    routes = [responses.router, conversations.router, chat.router]
+    try:
+        return run(args, routes=routes, setup=responses.setup, model=model)
+    finally:
+        if model is not None:
+            model.finish()
 
 
 def _models(args: argparse.Namespace) -> int:

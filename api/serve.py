@@ -4,7 +4,8 @@ Order of events:
 1. Checks that need no work (a `redis-server` to manage, the model resolves): exit 2 if not.
 2. The port is bound (uvicorn), so `/health` answers at once and `/ready` says the phase.
 3. Startup phases, each timed and logged, blocking ones on a loader thread:
-   redis (start or reuse the managed instances, or ping `--redis-url`), model (load),
+   redis (start or reuse the managed instances, or ping `--redis-url`), model (load, or wait
+   for the load `api.model_load` started with the command, beside the imports and redis),
    engine (KV pool, grammar compiler, the engine thread), compile (the compiled step's graphs,
    from `$LONGCTX_HOME/compile` when cached), warm-up (a short generation and
    a schema compile), routes (the async Redis client and the route modules' startup hooks).
@@ -31,6 +32,7 @@ import uvicorn
 from api import auth, limits
 from api.app import MAX_BODY_BYTES, create_app
 from api.managed_redis import INSTALL_HINT, ManagedRedis, cache_args, state_args
+from api.model_load import ModelLoad, load_model
 from api.state import ServeOptions, ServerState
 
 log = logging.getLogger("longctx.serve")
@@ -84,9 +86,10 @@ async def _in_thread(fn: Callable[[], T]) -> T:
 class Startup:
     """The startup phases for one `longctx serve` process; `managed` lists the Redis instances to release."""
 
-    def __init__(self, args: argparse.Namespace, server: _Server):
+    def __init__(self, args: argparse.Namespace, server: _Server, model: ModelLoad | None = None):
         self.args = args
         self.server = server
+        self.model = model  # already loading (`api.model_load`), or None: loaded in the model phase
         self.managed: list[ManagedRedis] = []
         self.kv_redis_url: str | None = None
         self.exit_code = 0
@@ -126,14 +129,7 @@ class Startup:
         log.info("state Redis %s; KV tier %s", state.options.redis_url, self.kv_redis_url or "off")
 
     def _model(self) -> Any:
-        from engine.loading.loader import load
-
-        if self.args.threads:  # loading (dequantizing, packing) runs on torch's threads too
-            import torch
-
-            torch.set_num_threads(self.args.threads)
-        a = self.args
-        return load(a.model, a.dtype, a.device, progress=False, quantization=a.quantization, group_size=a.group_size)
+        return self.model.wait() if self.model is not None else load_model(self.args)
 
     def _engine(self, loaded: Any) -> tuple[Any, Any]:
         from api.engine_args import engine_config
@@ -236,6 +232,7 @@ def run(
     args: argparse.Namespace,
     routes: list[Any] | None = None,
     setup: Callable[[ServerState], None] | None = None,
+    model: ModelLoad | None = None,
 ) -> int:
     """`longctx serve`. Returns the exit code (2: bad flags or no redis-server; 1: startup failed).
 
@@ -244,6 +241,8 @@ def run(
         setup: called with the fresh state before the server starts; route modules append
             their resources' `on_startup` hooks (run in the `routes` phase, once the engine is
             warm) and `on_shutdown` hooks there.
+        model: the model, already loading since the command started (`api.model_load`); the
+            model phase waits for it. None: the model phase loads it.
     """
     from engine.loading.model_source import resolve_model
 
@@ -291,7 +290,7 @@ def run(
         timeout_graceful_shutdown=getattr(args, "shutdown_grace_s", 10),
     )
     server = _Server(config, state)
-    startup = Startup(args, server)
+    startup = Startup(args, server, model)
     holder.append(startup)
     log.info("serving on http://%s:%d (/health at once, /ready once the model is warm)", args.host, args.port)
     try:

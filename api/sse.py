@@ -8,7 +8,8 @@ line repeats that type, as OpenAI's streams do:
 
 While the next event is slow to come (a request waiting for the engine, a long prefill), a
 comment line `: keep-alive` goes out every `keepalive_s` seconds so proxies keep the
-connection open. When the client leaves, the event source is closed (`aclose`), so the code
+connection open (`LONGCTX_SSE_KEEPALIVE_S` in the environment changes the interval: tests use
+a fraction of a second). When the client leaves, the event source is closed (`aclose`), so the code
 producing it sees `GeneratorExit` and can abort its request.
 """
 
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 import msgspec
 from litestar.response import Stream
 
-KEEPALIVE_S = 15.0
+KEEPALIVE_S = float(os.environ.get("LONGCTX_SSE_KEEPALIVE_S") or 15.0)
 COMMENT = b": keep-alive\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # nginx: do not buffer the stream
 

@@ -3,8 +3,11 @@
 Compaction (`context_management: [{"type": "compaction", "compact_threshold": N}]`): when the
 rendered prompt is longer than N tokens,
 1. tool outputs older than the second-last user message are shortened (`shorten`: their first
-   and last `KEEP_CHARS` characters kept, a marker between); if the prompt now fits, that is all
-   (nothing is stored: the next turn shortens them again);
+   and last `KEEP_CHARS` characters kept, a marker between); if the prompt now fits, that is all.
+   Nothing is stored: the shortening is deterministic, and the next turn first shortens exactly
+   the outputs the previous turn's prompt had shortened (`shortened_in` finds them in its text),
+   so that its prompt continues the previous prompt token for token and reuses its KV; only if
+   that does not fit are the outputs up to the new second-last user message shortened too;
 2. otherwise everything older than the second-last user message is summarised by the model in a
    separate greedy request (engine priority 1): the older items rendered as a conversation of
    their own (no instructions, no tools) followed by a user message `SUMMARY_PROMPT`, at
@@ -140,17 +143,37 @@ def boundary(items: Sequence[Item]) -> int:
     return users[-2] if len(users) >= 2 else 0
 
 
-def shorten(items: Sequence[Item], end: int, keep: int = KEEP_CHARS) -> list[Item]:
-    """`items` with each tool output before index `end` longer than 2 x `keep` characters cut to
-    its head and tail, a marker naming how much was cut between them."""
+def shortened(output: str, keep: int = KEEP_CHARS) -> str | None:
+    """A tool output's shortened text: its head and tail, a marker naming how much was cut
+    between them; None if it is not longer than 2 x `keep` characters and the marker."""
+    if len(output) <= 2 * keep + len(MARKER):
+        return None
+    return output[:keep] + MARKER.format(n=len(output) - 2 * keep) + output[-keep:]
+
+
+def shorten(items: Sequence[Item], end: int, keep: int = KEEP_CHARS, only: set[str] | None = None) -> list[Item]:
+    """`items` with each long tool output before index `end` (of those with ids in `only`, if
+    given) replaced by its `shortened` text."""
     out = list(items)
     for i in range(min(end, len(out))):
         it = out[i]
-        if isinstance(it, FunctionCallOutput) and len(it.output) > 2 * keep + len(MARKER):
-            cut = len(it.output) - 2 * keep
-            text = it.output[:keep] + MARKER.format(n=cut) + it.output[-keep:]
-            out[i] = msgspec.structs.replace(it, output=text)
+        if isinstance(it, FunctionCallOutput) and (only is None or it.id in only):
+            text = shortened(it.output, keep)
+            if text is not None:
+                out[i] = msgspec.structs.replace(it, output=text)
     return out
+
+
+def shortened_in(text: str, items: Sequence[Item], keep: int = KEEP_CHARS) -> set[str]:
+    """The ids of the tool outputs among `items` whose shortened text appears in `text` (a
+    previous turn's prompt) while their whole output does not."""
+    found = set()
+    for it in items:
+        if isinstance(it, FunctionCallOutput):
+            short = shortened(it.output, keep)
+            if short is not None and short in text and it.output not in text:
+                found.add(it.id)
+    return found
 
 
 def summary_messages(

@@ -31,6 +31,9 @@ class Keys:
     def resp_items(self, r: str) -> str:
         return f"{self.prefix}:resp:{r}:items"
 
+    def resp_lease(self, r: str) -> str:
+        return f"{self.prefix}:resp:{r}:lease"
+
     def events(self, r: str) -> str:
         return f"{self.prefix}:resp:{r}:events"
 

@@ -23,6 +23,7 @@ from sessions.compaction import (
     drop_oldest_turn,
     payloads,
     shorten,
+    shortened_in,
     sign,
     summary_messages,
     view,
@@ -32,7 +33,7 @@ from sessions.context import TurnContext
 from sessions.ids import new_id
 from sessions.items import Compaction, Item
 from sessions.models import now
-from sessions.render import Prompt, build_prompt, encode, render_text, to_messages
+from sessions.render import Prompt, build_prompt, decode_exact, encode, render_text, to_messages
 from sessions.requests import ResponseRequest
 from sessions.store import SessionStore
 from tools.schema import ToolSpec
@@ -87,8 +88,7 @@ class PromptFitter:
         made: Compaction | None = None
         if threshold is not None and len(prompt.ids) > threshold:
             b = boundary(items)
-            short = shorten(items, b)
-            prompt = await render(summary, short)
+            short, prompt = await self._shorten(items, b, ctx, summary, threshold, render)
             if len(prompt.ids) > threshold and b > 0:
                 summary, _ = await self.summarise(tenant, f"{resp_id}_summary", summary, short[:b])
                 secret = await self.store.compaction_secret()
@@ -104,6 +104,23 @@ class PromptFitter:
                 items = fewer
                 prompt = await render(summary, items)
         return Fitted(prompt, made)
+
+    async def _shorten(
+        self, items: list[Item], b: int, ctx: TurnContext, summary: str | None, threshold: int, render: Any
+    ) -> tuple[list[Item], Prompt]:
+        """Tool outputs shortened (step 1 of the module docstring of `sessions.compaction`): first
+        only those the previous turn's prompt had shortened, if the prompt then fits and continues
+        the previous one; else every one before `b`."""
+        if ctx.previous_ids:
+            head = await self.tokenizing.run(decode_exact, self.tokenizer, ctx.previous_ids)
+            before = shortened_in(head, items[:b])
+            if before:
+                again = shorten(items, b, only=before)
+                prompt: Prompt = await render(summary, again)
+                if len(prompt.ids) <= threshold and prompt.reused:
+                    return again, prompt
+        short = shorten(items, b)
+        return short, await render(summary, short)
 
     def _threshold(self, req: ResponseRequest) -> int | None:
         """The request's `compact_threshold`; 80% of the context limit when it names none."""

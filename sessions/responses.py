@@ -117,6 +117,30 @@ class ResponseStore:
         keys = [self.keys.resp(response.id), self.keys.resp_items(response.id)]
         await self.retrier.script(self.scripts.save_response, keys, args, response.id)
 
+    async def hold(self, resp_id: str) -> None:
+        """Mark a running foreground response outside a conversation alive for `lease_ttl_ms`
+        (taken before its `in_progress` record is written, renewed while it runs; a response
+        whose mark expired belongs to a server that stopped: `sessions.recovery`)."""
+
+        async def once() -> Any:
+            return await self.client.set(self.keys.resp_lease(resp_id), b"1", px=self.config.lease_ttl_ms)
+
+        await self.retrier.run(once, resp_id)
+
+    async def release(self, resp_id: str) -> None:
+        """Drop the mark once the response is final (it would expire by itself)."""
+
+        async def once() -> Any:
+            return await self.client.delete(self.keys.resp_lease(resp_id))
+
+        await self.retrier.run(once, resp_id)
+
+    async def held(self, resp_id: str) -> bool:
+        async def once() -> Any:
+            return await self.client.exists(self.keys.resp_lease(resp_id))
+
+        return bool(await self.retrier.run(once, resp_id))
+
     async def get(self, tenant: str, resp_id: str) -> Response:
         """The response; NotFound if absent or another tenant's."""
 

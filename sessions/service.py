@@ -102,7 +102,9 @@ class SessionService:
             if req.background:
                 return await self._enqueue(plan, undo, req.stream)
             turn = Turn(self.engine, self.store, plan, plan.assembler.writer, self.config.lease_renew_s)
-            if plan.store and plan.conversation_id is not None:  # retrievable while it runs (`sessions.recovery`)
+            if plan.store:  # retrievable while it runs, `failed` if its server dies (`sessions.recovery`)
+                if plan.conversation_id is None:
+                    await self.store.responses.hold(plan.response.id)
                 await self.store.responses.save(tenant, plan.response)
             turn.submit()
         except BaseException:
@@ -185,6 +187,7 @@ class SessionService:
             response = await self.store.responses.get(tenant, first)
         except NotFound:
             raise RequestInProgress(first) from None
+        response = await settle(self.store, tenant, response, running=False)  # its server may have died
         if not response.terminal:
             raise RequestInProgress(first)
         if not stream:

@@ -13,6 +13,8 @@ Key layout (`P` = prefix, default `lc`; `c` a conversation id, `r` a response id
                                    prompt_ids, output_ids (uint32 little-endian), committed
     P:resp:r:items         hash    the response's input items, id -> JSON (also when the turn
                                    was in a conversation, so input_items survive item deletes)
+    P:resp:r:lease         string  set while a stored foreground response outside a
+                                   conversation runs; PX 30 s, renewed, dropped at its commit
     P:resp:r:events        stream  events by sequence number (`sessions.streams`)
     P:jobs                 stream  background responses, group `workers` (`sessions.streams`)
     P:idem:<tenant>:<key>  string  Idempotency-Key -> response id, 24 h

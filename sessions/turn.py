@@ -110,7 +110,7 @@ class Turn:
         for i, item in enumerate(p.assembler.items):  # made before generation (a compaction item)
             await self.writer.item_added(i, item)
             await self.writer.item_done(i, item)
-        renew = asyncio.create_task(self._renew()) if p.fence is not None else None
+        renew = asyncio.create_task(self._renew()) if p.fence is not None or self._holds_response() else None
         output_ids: list[int] = []
         reasoning_tokens = cached = 0
         reason: FinishReason | None = None
@@ -178,6 +178,8 @@ class Turn:
                 await self.store.responses.save(
                     p.tenant, final, p.input_items, prompt_ids=p.prompt_ids, output_ids=output_ids
                 )
+                if self._holds_response():
+                    await self._release_response()
         except (LeaseLost, Conflict) as e:
             await self._release()
             if self.stopped == "cancelled" and isinstance(e, Conflict):  # cancelled (and written) elsewhere
@@ -197,11 +199,28 @@ class Turn:
             except StoreError:
                 log.warning("could not release the lease of %s; it expires by itself", p.conversation_id)
 
+    async def _release_response(self) -> None:
+        try:
+            await self.store.responses.release(self.plan.response.id)
+        except StoreError:
+            log.warning("could not drop the lease of %s; it expires by itself", self.plan.response.id)
+
+    def _holds_response(self) -> bool:
+        """A stored foreground response outside a conversation: its `hold` is renewed as it runs."""
+        p = self.plan
+        return p.store and p.conversation_id is None and not p.response.background
+
     async def _renew(self) -> None:
         p = self.plan
-        assert p.conversation_id is not None and p.fence is not None
         while True:
             await asyncio.sleep(self.renew_s)
+            if p.fence is None:
+                try:
+                    await self.store.responses.hold(p.response.id)
+                except StoreError as e:  # transient: the mark outlives two missed renewals
+                    log.warning("renewal of %s failed: %s", p.response.id, e)
+                continue
+            assert p.conversation_id is not None
             try:
                 await self.store.conversations.renew_lease(p.conversation_id, p.response.id, p.fence)
             except LeaseLost:

@@ -149,3 +149,37 @@ def test_truncation_drops_whole_turns(client: openai.OpenAI) -> None:
     )
     assert auto.status in ("completed", "incomplete") and auto.usage is not None
     assert auto.usage.input_tokens == sizes[2] if sizes[1] + ask > limit else sizes[1]
+
+
+def test_shortened_tool_outputs_stay_shortened_so_the_next_turn_reuses_the_kv(client: openai.OpenAI) -> None:
+    """Past the threshold, old tool outputs are shortened; the next turn shortens the same ones
+    (not the ones its later boundary would allow), so its prompt continues the previous prompt
+    and its KV is reused: `cached_tokens` covers the whole previous prompt, rounded to pages."""
+    log = "".join(f"hive {i}: {10 + i % 7} kg of clover honey, the queen is laying well.\n" for i in range(24))
+
+    def call(n: int) -> list[dict[str, str]]:
+        return [
+            {"type": "function_call", "call_id": f"call_{n}", "name": "read_log", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": f"call_{n}", "output": log.replace("hive", f"log {n} hive")},
+        ]
+
+    history = [
+        {"role": "user", "content": "Read the first log."}, *call(1), {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "Read the second log."}, *call(2), {"role": "assistant", "content": "Done."},
+    ]  # fmt: skip
+    conv = client.conversations.create(items=history)  # type: ignore[arg-type]
+    ask = {"role": "user", "content": "Which hive is best?"}
+    full = client.responses.create(model="demo", input=[*history, ask], store=False, temperature=0, max_output_tokens=1)  # type: ignore[list-item]
+    assert full.usage is not None
+    rule: Any = [{"type": "compaction", "compact_threshold": full.usage.input_tokens - 100}]
+    third = client.responses.create(
+        model="demo", conversation=conv.id, input=ask["content"], context_management=rule, **GREEDY
+    )
+    assert third.usage is not None and third.output[0].type != "compaction"
+    assert third.usage.input_tokens < full.usage.input_tokens - 100  # the first log was shortened
+    fourth = client.responses.create(
+        model="demo", conversation=conv.id, input="And the worst?", context_management=rule, **GREEDY
+    )
+    assert fourth.usage is not None and fourth.output[0].type != "compaction"
+    page = 16
+    assert fourth.usage.input_tokens_details.cached_tokens >= third.usage.input_tokens // page * page

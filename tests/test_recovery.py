@@ -30,6 +30,8 @@ LEASE_S = 30
 
 
 def test_foreground_turn_of_a_killed_server_is_failed(demo_gguf: Path, tmp_path: Path) -> None:
+    """Both kinds of foreground response: a conversation's turn (its conversation lease) and one
+    on a `previous_response_id` chain (a lease of its own), killed together."""
     prefix = unique_prefix()
     with shared_redis() as (url, _):
         first = start_server(demo_gguf, "--redis-url", url, *ARGS, log=tmp_path / "a.log", prefix=prefix)
@@ -38,37 +40,43 @@ def test_foreground_turn_of_a_killed_server_is_failed(demo_gguf: Path, tmp_path:
             client = openai.OpenAI(base_url=first.url + "/v1", api_key="x", max_retries=0, timeout=120)
             conv = client.conversations.create(items=[{"role": "user", "content": "Hello"}])
             before = [i.id for i in client.conversations.items.list(conv.id).data]
-            seen: list[str] = []
-            started = threading.Event()
+            prev = client.responses.create(model="demo", input="Hello", max_output_tokens=4, temperature=0)
+            runs = {"conversation": {"conversation": conv.id}, "chain": {"previous_response_id": prev.id}}
+            seen: dict[str, str] = {}
+            started = {name: threading.Event() for name in runs}
 
-            def stream() -> None:
+            def stream(name: str) -> None:
                 try:
-                    with client.responses.stream(model="demo", conversation=conv.id, input="Tell me a long story.",
-                                                 temperature=0, max_output_tokens=400) as events:  # fmt: skip
+                    with client.responses.stream(model="demo", input="Tell me a long story.", temperature=0,
+                                                 max_output_tokens=400, **runs[name]) as events:  # fmt: skip
                         for event in events:
                             if event.type == "response.created":
-                                seen.append(event.response.id)
+                                seen[name] = event.response.id
                             if event.type == "response.output_text.delta":
-                                started.set()
+                                started[name].set()
                 except Exception:  # the server is killed under it
-                    started.set()
+                    started[name].set()
 
-            reader = threading.Thread(target=stream, daemon=True)
-            reader.start()
-            assert started.wait(120) and seen
+            readers = [threading.Thread(target=stream, args=(name,), daemon=True) for name in runs]
+            for reader in readers:
+                reader.start()
+            assert all(e.wait(120) for e in started.values()) and set(seen) == set(runs)
+            assert client.responses.retrieve(seen["chain"]).status == "in_progress"  # alive: its lease renewed
             first.proc.send_signal(signal.SIGKILL)
             first.proc.wait()
-            reader.join(30)
+            for reader in readers:
+                reader.join(30)
             second = start_server(demo_gguf, "--redis-url", url, *ARGS, log=tmp_path / "b.log", prefix=prefix)
             client = openai.OpenAI(base_url=second.url + "/v1", api_key="x", max_retries=0, timeout=120)
             deadline = time.monotonic() + LEASE_S + 30
-            status = client.responses.retrieve(seen[0]).status
-            while status == "in_progress" and time.monotonic() < deadline:
-                time.sleep(2)
-                status = client.responses.retrieve(seen[0]).status
-            assert status == "failed"
-            response = client.responses.retrieve(seen[0])
-            assert response.error is not None and "stopped" in response.error.message
+            for resp_id in seen.values():
+                status = client.responses.retrieve(resp_id).status
+                while status == "in_progress" and time.monotonic() < deadline:
+                    time.sleep(2)
+                    status = client.responses.retrieve(resp_id).status
+                assert status == "failed"
+                response = client.responses.retrieve(resp_id)
+                assert response.error is not None and "stopped" in response.error.message
             assert [i.id for i in client.conversations.items.list(conv.id).data] == before
             assert client.responses.create(model="demo", conversation=conv.id, input="Hi", max_output_tokens=4).id
         finally:

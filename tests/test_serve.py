@@ -7,12 +7,14 @@ are about the process, not the text. Managed-mode tests run in a temporary `LONG
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from api.managed_redis import INSTALL_HINT, ManagedRedis, state_args
+from tests.redis_process import restartable_redis
 from tests.redis_server import shared_redis
 from tests.server import ROOT, Server, free_port, http_get, running_server, serve_command, start_server
 
@@ -50,11 +53,17 @@ def tiny_model(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return path
 
 
+KEEPALIVE_S = 0.05
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One request at a time (so that a second one waits), SSE comments after 0.05 s of silence."""
+    log = tmp_path_factory.mktemp("logs") / "serve.log"
+    env = {"LONGCTX_SSE_KEEPALIVE_S": str(KEEPALIVE_S)}
     with (
         shared_redis() as (url, _),
-        running_server(tiny_model, *TINY_ARGS, log=tmp_path_factory.mktemp("logs") / "serve.log", redis_url=url) as s,
+        running_server(tiny_model, *TINY_ARGS, "--max-num-seqs", "1", log=log, redis_url=url, env=env) as s,
     ):
         yield s
 
@@ -79,10 +88,10 @@ def _pid_alive(pid: int) -> bool:
     return not stat.exists() or stat.read_text().rpartition(")")[2].split()[0] != "Z"
 
 
-def _request(method: str, url: str, body: bytes | None = None) -> tuple[int, dict[str, object]]:
+def _request(method: str, url: str, body: bytes | None = None, timeout: float = 10) -> tuple[int, dict[str, object]]:
     req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -126,6 +135,8 @@ def _answers(instance: ManagedRedis) -> bool:
 
 
 def test_managed_redis_shared_restarted_and_stopped_by_the_last(tiny_model: Path, home: Path, tmp_path: Path) -> None:
+    """Two servers share the managed redis-server, one restarts it when it dies, the last stops
+    it; a conversation made before all that is there for a third server on the same home."""
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (make test installs it)")
     env = {"LONGCTX_HOME": str(home)}
@@ -133,6 +144,7 @@ def test_managed_redis_shared_restarted_and_stopped_by_the_last(tiny_model: Path
     kv = ManagedRedis(home / "redis", "kv", [])
     a = start_server(tiny_model, *TINY_ARGS, log=tmp_path / "a.log", env=env)
     try:
+        conv_id, items = _conversation_with_a_turn(a.url)
         first_pid = state.pid()
         assert first_pid is not None and _answers(state) and _answers(kv)
         b = start_server(tiny_model, *TINY_ARGS, log=tmp_path / "b.log", env=env)
@@ -160,8 +172,90 @@ def test_managed_redis_shared_restarted_and_stopped_by_the_last(tiny_model: Path
         assert state.pid() is None and kv.pid() is None, "the last server did not stop the managed redis-servers"
         assert second_pid is not None and not _pid_alive(second_pid)
         assert not state.socket.exists()
+        c = start_server(tiny_model, *TINY_ARGS, log=tmp_path / "c.log", env=env, prefix=a.prefix)
+        try:
+            assert _items(c.url, conv_id) == items
+        finally:
+            assert c.stop() == 0, c.log_tail()
+        assert state.pid() is None and kv.pid() is None
     finally:
         a.stop()
+
+
+def _conversation_with_a_turn(url: str) -> tuple[str, list[object]]:
+    status, conv = _request("POST", url + "/v1/conversations", json.dumps({"items": [_user("Hello")]}).encode())
+    assert status == 200, conv
+    _respond(url, {"conversation": conv["id"]})
+    items = _items(url, str(conv["id"]))
+    assert len(items) >= 2  # the first message, the turn's input (the tiny model's output may be empty)
+    return str(conv["id"]), items
+
+
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def _respond(url: str, extra: dict[str, object]) -> dict[str, object]:
+    body = {"model": "m", "input": [_user("Hi")], "max_output_tokens": 4, "temperature": 0, **extra}
+    status, response = _request("POST", url + "/v1/responses", json.dumps(body).encode(), timeout=120)
+    assert status == 200 and response["status"] in ("completed", "incomplete"), response
+    return response
+
+
+def _items(url: str, conv_id: str) -> list[object]:
+    status, page = _request("GET", f"{url}/v1/conversations/{conv_id}/items?order=asc&limit=100")
+    assert status == 200, page
+    return list(page["data"])  # type: ignore[call-overload]
+
+
+def test_a_redis_restarted_while_idle_answers_the_next_request(tiny_model: Path, tmp_path: Path) -> None:
+    """A private append-only redis-server (state and KV pages) stopped and started again between
+    two requests: the next request works and the conversation is as it was."""
+    log = tmp_path / "serve.log"
+    with restartable_redis() as redis, running_server(tiny_model, *TINY_ARGS, log=log, redis_url=redis.url) as s:
+        conv_id, items = _conversation_with_a_turn(s.url)
+        redis.stop()
+        redis.start()
+        _respond(s.url, {"conversation": conv_id})
+        after = _items(s.url, conv_id)
+        assert after[: len(items)] == items and len(after) > len(items)
+
+
+def _sse_lines(url: str, body: dict[str, object], out: list[str], started: threading.Event) -> None:
+    """POST a streaming response and keep every raw line of its HTTP body (comments included);
+    `started` is set at the first text delta."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", "/v1/responses", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        while line := response.readline():
+            out.append(line.decode().rstrip("\n"))
+            if out[-1] == "event: response.output_text.delta":
+                started.set()
+    finally:
+        started.set()
+        conn.close()
+
+
+def test_a_waiting_stream_carries_keepalive_comments(server: Server) -> None:
+    """The server runs one request at a time: a second stream waits for the first to finish, and
+    its raw HTTP body carries `: keep-alive` comments between `response.in_progress` and its first
+    delta (every LONGCTX_SSE_KEEPALIVE_S; 15 s by default)."""
+    body = {"model": "m", "input": "Hello", "max_output_tokens": 400, "temperature": 0, "stream": True, "store": False}
+    first: list[str] = []
+    running = threading.Event()
+    reader = threading.Thread(target=_sse_lines, args=(server.url, body, first, running), daemon=True)
+    reader.start()
+    assert running.wait(120) and "event: response.output_text.delta" in first, first[-5:]
+    second: list[str] = []
+    _sse_lines(server.url, body, second, threading.Event())
+    reader.join(120)
+    start = second.index("event: response.in_progress")
+    deltas = [i for i, line in enumerate(second) if line == "event: response.output_text.delta"]
+    end = deltas[0] if deltas else len(second)
+    assert ": keep-alive" in second[start:end], second[: end + 1]
 
 
 def test_startup_failure_exits_1_naming_the_phase(tiny_model: Path, tmp_path: Path) -> None:

@@ -140,3 +140,23 @@ def test_input_ids_must_be_new() -> None:
         with pytest.raises(InvalidParam) as e:
             check_ids(hist, parse_input(new))
         assert e.value.param == f"input[{len(new) - 1}].id"
+
+
+def test_shortened_outputs_are_found_in_the_previous_prompt(demo: Tokenizer) -> None:
+    """A tool output shortened in one turn's prompt is recognised in that prompt's text, so the
+    next turn shortens the same one (and not one the previous prompt had whole)."""
+    from sessions.compaction import shorten, shortened_in
+
+    long = "".join(f"line {i}: all quiet.\n" for i in range(60))
+    items: list[Item] = [
+        Message(id="msg_1", role="user", content=[OutputText(text="Read both logs.")]),
+        FunctionCall(id="fc_1", call_id="c1", name="get_weather", arguments="{}"),
+        FunctionCallOutput(id="fco_1", call_id="c1", output=long.replace("line", "one")),
+        FunctionCall(id="fc_2", call_id="c2", name="get_weather", arguments="{}"),
+        FunctionCallOutput(id="fco_2", call_id="c2", output=long.replace("line", "two")),
+    ]
+    previous = render_text(demo, to_messages(shorten(items, 3)), TOOLS)  # only the first one shortened
+    assert shortened_in(previous, items) == {"fco_1"}
+    again = shorten(items, len(items), only={"fco_1"})
+    assert render_text(demo, to_messages(again), TOOLS) == previous
+    assert shortened_in(render_text(demo, to_messages(items), TOOLS), items) == set()

@@ -132,6 +132,34 @@ def test_load_stats_and_fingerprint(tmp_path: Path) -> None:
     assert stats.fingerprint == again.fingerprint != other.fingerprint
 
 
+def test_mapped_load_equals_read_load_without_copies(tmp_path: Path) -> None:
+    """A mapped source (the conversion cache) gives the same model; whole tensors in the model's
+    dtype become the parameters as mapped (no copy), and writing one never reaches the file."""
+    a = build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path / "a", seed=0)
+    read, stats = load_model(a.config, SafetensorsSource(a.path), torch.float32, progress=False)
+    mapped, mstats = load_model(a.config, SafetensorsSource(a.path, mapped=True), torch.float32, progress=False)
+    assert mstats.fingerprint == stats.fingerprint
+    for (name, p), (_, q) in zip(read.state_dict().items(), mapped.state_dict().items(), strict=True):
+        assert torch.equal(p, q), name
+    embed = mapped.model.embed_tokens.weight
+    before = (a.path / "model.safetensors").read_bytes()
+    assert not embed.data.untyped_storage().resizable()  # a file mapping, not an allocation
+    with torch.no_grad():
+        embed.add_(1.0)
+    assert (a.path / "model.safetensors").read_bytes() == before
+
+
+def test_kv_pool_starts_zeroed() -> None:
+    from kvstore.kv_cache import KVCache
+    from kvstore.spec import KVSpec
+
+    spec = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="bfloat16")
+    cache = KVCache(spec, 3)
+    assert all(layer.shape == (3, 2, 4, 1, 8) and not layer.any() for layer in cache.layers)
+    cache.write_pages([1], torch.ones(1, 2, 2, 4, 1, 8, dtype=torch.bfloat16))
+    assert cache.read_pages([1]).eq(1).all() and not cache.read_pages([0, 2]).any()
+
+
 def _header_bytes(path: Path) -> int:
     raw = (path / "model.safetensors").read_bytes()
     return 8 + int.from_bytes(raw[:8], "little")

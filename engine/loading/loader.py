@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def open_source(
 
 def _cached_weights(cache: GGUFCache, dtype: torch.dtype) -> SafetensorsSource | None:
     try:
-        return SafetensorsSource(cache.weights_dir(dtype))
+        return SafetensorsSource(cache.weights_dir(dtype), mapped=True)
     except (CheckpointError, OSError) as e:  # unreadable or damaged: read the GGUF again
         log.warning("ignoring the conversion cache %s: %s", cache.weights_dir(dtype), e)
         return None
@@ -115,9 +116,7 @@ def _cache_weights(cache: GGUFCache, tensors: TensorSource, dtype: torch.dtype, 
 def load_tokenizer(source: ModelPath, eos_token_ids: tuple[int, ...], cache: GGUFCache | None) -> Tokenizer:
     """The tokenizer; a GGUF's converted one is saved in, and next time read from, its cache."""
     if cache is not None and cache.has_tokenizer():
-        from transformers import AutoTokenizer
-
-        return Tokenizer(AutoTokenizer.from_pretrained(str(cache.tokenizer_dir)), eos_token_ids)
+        return Tokenizer.from_saved(cache.tokenizer_dir, eos_token_ids)
     tokenizer = Tokenizer.load(source, eos_token_ids)
     if cache is not None:
         cache.save_tokenizer(tokenizer.hf)
@@ -135,6 +134,7 @@ def load(
     on_tensor: TensorCallback | None = None,
     quantization: str = "none",
     group_size: int = 32,
+    before_tokenizer: Callable[[], object] | None = None,
 ) -> LoadedModel:
     """Resolve, read config, load weights and tokenizer. Phases are timed into the stats.
 
@@ -147,6 +147,9 @@ def load(
             applied while the weights stream in; int4 at group 32 takes GGUF Q4_0 / Q4_1
             blocks as they are, other GGUF blocks are dequantized, then quantized again.
         group_size: int4's group (32, 64 or 128).
+        before_tokenizer: called (on the loading thread) once the weights are in, before the
+            tokenizer loads: `serve` waits there until its own thread has imported transformers
+            (importing it from two threads at once fails).
     """
     quant = QuantConfig(quantization, group_size)
     dev = torch.device(device)
@@ -177,6 +180,9 @@ def load(
     if weights_cache is not None:
         _cache_weights(weights_cache, tensors, torch_dtype, stats)
         stats.phases["cache weights"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+    if before_tokenizer is not None:
+        before_tokenizer()
         t1 = time.perf_counter()
     tokenizer = load_tokenizer(source, config.eos_token_ids, gguf_cache)
     stats.phases = {"resolve+config": t_config, **stats.phases, "tokenizer": time.perf_counter() - t1}

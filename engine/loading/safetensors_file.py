@@ -4,12 +4,17 @@ A memory-mapped checkpoint stays resident (and counted in RSS) beside the model 
 copied into, doubling peak memory; reading each tensor's bytes into a buffer once keeps
 the peak at the model plus one tensor. The header is validated against the file's size
 so that a truncated or corrupt file is named as such before any tensor is read.
+
+The exception is a file already in the model's dtype and layout (a GGUF's conversion cache):
+`map_tensor` maps each tensor copy-on-write, and the mapping becomes the parameter itself, so
+nothing is read or copied up front and there is no second copy to double the peak.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -100,6 +105,24 @@ def read_tensor(entry: TensorEntry) -> torch.Tensor:
     if got != entry.nbytes:
         raise CheckpointError(f"{entry.file}: truncated while reading tensor {entry.name!r}")
     return out
+
+
+def map_tensor(entry: TensorEntry) -> torch.Tensor:
+    """The tensor's bytes mapped from the file, private and copy-on-write: pages are read on
+    first touch, a write never reaches the file, and the mapping ends with the last reference.
+    Falls back to `read_tensor` for an empty tensor or an offset misaligned for its dtype."""
+    if entry.nbytes == 0 or entry.start % entry.dtype.itemsize:
+        return read_tensor(entry)
+    base = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
+    try:
+        with open(entry.file, "rb") as f:
+            mapped = mmap.mmap(
+                f.fileno(), entry.end - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base
+            )
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{entry.file}: cannot map tensor {entry.name!r}: {e}") from e
+    count = entry.nbytes // entry.dtype.itemsize
+    return torch.frombuffer(mapped, dtype=entry.dtype, count=count, offset=entry.start - base).view(entry.shape)
 
 
 def read_tensor_part(entry: TensorEntry, dim: int, ranges: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, int]:

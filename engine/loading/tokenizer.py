@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from engine.loading.model_source import ModelPath
+
+# Saved classes that are the `tokenizers` library's tokenizer and nothing more: loaded through
+# `PreTrainedTokenizerFast` directly, which skips `AutoTokenizer`'s import of every model
+# family's module (most of a second).
+PLAIN_FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 class Tokenizer:
@@ -26,6 +33,21 @@ class Tokenizer:
         else:
             hf = AutoTokenizer.from_pretrained(str(source.path))
         return cls(hf, eos_token_ids)
+
+    @classmethod
+    def from_saved(cls, directory: Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+        """A tokenizer written by `save_pretrained` (the GGUF conversion cache)."""
+        try:
+            saved_class = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        except (OSError, ValueError, AttributeError):
+            saved_class = None
+        if saved_class in PLAIN_FAST_CLASSES and (directory / "tokenizer.json").exists():
+            from transformers import PreTrainedTokenizerFast
+
+            return cls(PreTrainedTokenizerFast.from_pretrained(str(directory)), eos_token_ids)
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(directory)), eos_token_ids)
 
     @property
     def vocab_size(self) -> int:

@@ -26,6 +26,7 @@ from engine.loading.safetensors_file import (
     CheckpointError,
     TensorEntry,
     checkpoint_files,
+    map_tensor,
     read_header,
     read_tensor,
     read_tensor_part,
@@ -60,6 +61,8 @@ class SourceTensor:
     # The whole tensor as 4-bit codes per group of 32 (GGUF Q4_0 / Q4_1), for int4 at group 32 to
     # take as they are. None: no such blocks (the float `read` is quantized instead).
     read_int4: Callable[[], Int4Blocks] | None = None
+    # `read` returns a tensor of its own (a file mapping) that may become the parameter as it is.
+    keep: bool = False
 
 
 class TensorSource(Protocol):
@@ -69,18 +72,24 @@ class TensorSource(Protocol):
 
 
 class SafetensorsSource:
-    """A directory with `config.json` and one or more `*.safetensors` files."""
+    """A directory with `config.json` and one or more `*.safetensors` files.
 
-    def __init__(self, directory: Path):
+    mapped: tensors are mapped from the files (`map_tensor`), not read; those already in the
+    model's dtype become its parameters without a copy (for files no one rewrites in place,
+    such as the GGUF conversion cache)."""
+
+    def __init__(self, directory: Path, mapped: bool = False):
         self.directory = directory
         self.description = str(directory)
         self.files = checkpoint_files(directory)
         self.entries = [e for f in self.files for e in read_header(f)]
+        self.mapped = mapped
 
     def tensors(self) -> Iterator[SourceTensor]:
+        read = map_tensor if self.mapped else read_tensor
         for e in self.entries:
             part = partial(_read_part, e)
-            yield SourceTensor(e.name, e.shape, e.nbytes, str(e.file), partial(read_tensor, e), part)
+            yield SourceTensor(e.name, e.shape, e.nbytes, str(e.file), partial(read, e), part, keep=self.mapped)
 
 
 def _read_part(entry: TensorEntry, part: SourceSlice) -> tuple[torch.Tensor, int]:
@@ -113,9 +122,31 @@ def build_empty(
     """The model (this rank's shard of it) with uninitialised parameters of `dtype` on `device`."""
     with torch.device("meta"):
         model = CausalLM(config, parallel)
-    model = model.to(dtype).to_empty(device=device)
+    _materialize_empty(model, dtype, torch.device(device))
     model.init_buffers()
     return model
+
+
+def _materialize_empty(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """`model.to(dtype).to_empty(device=device)`, without the meta-tensor `empty_like` path that
+    took most of a second (its first use imports torch's symbolic-shape machinery). Floating
+    tensors take `dtype`; a tensor shared by several modules stays shared."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            kind = dtype if t.is_floating_point() else t.dtype
+            new = torch.empty(t.shape, dtype=kind, device=device)
+            made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = empty(p)  # type: ignore[assignment]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = empty(b)
 
 
 def load_weights(
@@ -202,7 +233,11 @@ def load_weights(
         digests.append(_digest(t.name, value))
         if on_tensor is not None:
             on_tensor(t, value)
-        dest.copy_(value.to(dest.dtype))
+        whole = part is None and (specs is None or shard is None)
+        if t.keep and whole and value.dtype == dest.dtype and value.device == dest.device:
+            param.data = value  # the mapping is the parameter: no copy
+        else:
+            dest.copy_(value.to(dest.dtype))
         if converter is not None and part is None and t.read_int4 is not None and converter.takes_blocks(param):
             converter.add_blocks(pname, param, specs[shard] if specs is not None and shard is not None else None, t)
         loaded[pname].add(shard)
