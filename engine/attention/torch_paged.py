@@ -142,17 +142,11 @@ class TorchPagedBackend(AttentionBackend):
 
         if self.all_decode and decode is not None:
             keys, values = gather(decode, len(self.decodes))
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, values, attn_mask=decode.mask, scale=self.scale, enable_gqa=True
-            )  # [T, H, 1, D]
-            return o.squeeze(2)
+            return self._decode(q, keys, values, decode.mask)
         out = torch.empty_like(q)  # [T, H, D]
         if decode is not None and self.decode_rows is not None:
             keys, values = gather(decode, len(self.decodes))
-            o = F.scaled_dot_product_attention(
-                q[self.decode_rows].unsqueeze(2), keys, values, attn_mask=decode.mask, scale=self.scale, enable_gqa=True
-            )  # [Bd, H, 1, D]
-            out[self.decode_rows] = o.squeeze(2)
+            out[self.decode_rows] = self._decode(q[self.decode_rows], keys, values, decode.mask)
         for s, r in zip(self.prefills, prefills, strict=True):
             keys, values = gather(r, 1)
             queries = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
@@ -160,6 +154,21 @@ class TorchPagedBackend(AttentionBackend):
                 0, 1
             )
         return out
+
+    def _decode(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [B, H, D] (one query per sequence); keys, values [B, KVH, L, D]; mask [B, 1, 1, L] or
+        None. The G query heads sharing a KV head are folded into the query length ([B, KVH, G, D]):
+        no K/V repeat, and the CPU flash kernel runs G rows per key block instead of one (its
+        single-row GQA path is ~10x slower over 1M keys). Heads h = kvh * G + g, as with
+        `enable_gqa`. Returns [B, H, D]."""
+        B, H, D = q.shape
+        KVH = keys.shape[1]
+        o = F.scaled_dot_product_attention(
+            q.reshape(B, KVH, H // KVH, D), keys, values, attn_mask=mask, scale=self.scale
+        )  # [B, KVH, G, D]
+        return o.reshape(B, H, D)
 
     def _prefill(
         self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s: _Seq, r: _Read, window: int | None
