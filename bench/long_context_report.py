@@ -128,5 +128,6 @@ def report(results: dict[str, Any], results_dir: Path, quick: bool) -> None:
     results_dir.mkdir(parents=True, exist_ok=True)
     stem = f"long_context{'_quick' if quick else ''}_{time.strftime('%Y%m%d-%H%M%S')}"
     (results_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
-    (results_dir / f"{stem}.svg").write_text(svg(series))
-    print(f"wrote {results_dir / stem}.json and .svg")
+    plot = results_dir / f"long_context{'_quick' if quick else ''}.svg"  # the latest run's, under one name
+    plot.write_text(svg(series))
+    print(f"wrote {results_dir / stem}.json and {plot}")
