@@ -109,18 +109,21 @@ def grow(engine: Any, vocab: int, contexts: list[int], steps: int, last_steps: i
     for i, n in enumerate(contexts):
         decode = last_steps if i == len(contexts) - 1 else steps
         engine.add_request(stream[:n], SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True))
-        prefill_s = 0.0
+        prefill_s = waited_s = 0.0
         prefilled = engine.snapshot().prompt_tokens_computed
         walls, cpus, attn_walls, attn_cpus, held = [], [], [], [], 0
         while engine.has_unfinished():
-            before = engine.snapshot().prompt_tokens_computed
+            before = engine.snapshot()
             aw, ac = timer.wall, timer.cpu
             w, c = time.perf_counter(), time.thread_time()
             engine.step()
             w, c = time.perf_counter() - w, time.thread_time() - c
             snap = engine.snapshot()
             held = max(held, snap.total_pages - snap.free_pages)
-            if snap.prompt_tokens_computed > before:
+            if snap.steps == before.steps:  # nothing ran: the request waits for pages from a tier
+                waited_s += w
+                time.sleep(0.001)
+            elif snap.prompt_tokens_computed > before.prompt_tokens_computed:
                 prefill_s += w
             else:
                 walls.append(w)
@@ -137,6 +140,7 @@ def grow(engine: Any, vocab: int, contexts: list[int], steps: int, last_steps: i
                 "context": n,
                 "prefill_tokens": engine.snapshot().prompt_tokens_computed - prefilled,
                 "prefill_s": prefill_s,
+                "tier_wait_s": waited_s,
                 "decode_steps": len(walls),
                 "step_ms": med(walls),
                 "step_cpu_ms": med(cpus),
