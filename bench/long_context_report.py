@@ -1,6 +1,6 @@
 """The long-context benchmark's output: a table on stdout, JSON and an SVG plot in bench/results/.
 
-The plot (decode step time against context, log-log, one line per model) is drawn by hand:
+The plot (decode step CPU time against context, log-log, one line per model) is drawn by hand:
 matplotlib is not a dependency of the project.
 """
 
@@ -103,7 +103,7 @@ def svg(series: dict[str, list[tuple[int, float]]]) -> str:
         out.append(f'<text x="{L - 6}" y="{y + 4:.0f}" text-anchor="end">{10**e:g}</text>')
         out.append(f'<line x1="{L}" y1="{y:.0f}" x2="{W - 20}" y2="{y:.0f}" stroke="#ddd"/>')
     out.append(f'<text x="{(W + L) / 2:.0f}" y="{H - 10}" text-anchor="middle">context (tokens)</text>')
-    out.append(f'<text x="16" y="{H / 2:.0f}" transform="rotate(-90 16 {H / 2:.0f})">decode step (ms)</text>')
+    out.append(f'<text x="16" y="{H / 2:.0f}" transform="rotate(-90 16 {H / 2:.0f})">decode step CPU (ms)</text>')
     for i, (name, pts) in enumerate(series.items()):
         color = COLORS.get(name, "black")
         path = " ".join(f"{x:.1f},{y:.1f}" for x, y in (px(a, b) for a, b in pts))
@@ -122,9 +122,9 @@ def report(results: dict[str, Any], results_dir: Path, quick: bool) -> None:
     for part in ("windowed", "full", "demo"):
         r = results.get(part)
         if r and "error" not in r:
-            series[part] = [(row["context"], row["step_ms"]) for row in r["rows"]]
+            series[part] = [(row["context"], row["step_cpu_ms"]) for row in r["rows"]]
             if r.get("runner_decode"):
-                series["full (runner, random KV)"] = [(x["context"], x["step_ms"]) for x in r["runner_decode"]]
+                series["full (runner, random KV)"] = [(x["context"], x["step_cpu_ms"]) for x in r["runner_decode"]]
     results_dir.mkdir(parents=True, exist_ok=True)
     stem = f"long_context{'_quick' if quick else ''}_{time.strftime('%Y%m%d-%H%M%S')}"
     (results_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
