@@ -27,7 +27,7 @@ class _Seq:
     q_start: int
     q_len: int
     kv_len: int
-    pages: list[int]  # the sequence's pages, enough for kv_len tokens
+    pages: torch.Tensor  # [n] the sequence's pages (a view of kv_indices), enough for kv_len tokens
 
 
 @dataclass
@@ -56,7 +56,9 @@ class TorchPagedBackend(AttentionBackend):
         self.meta = meta
         self.page_size = meta.page_size
         kv_indptr = meta.kv_indptr.tolist()
-        indices = meta.kv_indices.tolist()
+        # Pages stay a tensor (views per sequence): no Python list of a long context's pages;
+        # a window layer's read touches only the pages its window reaches.
+        indices = meta.kv_indices.to(torch.int64)
         qo = meta.qo_indptr.tolist()
         self.device = meta.kv_indices.device
         self.prefills: list[_Seq] = []
@@ -73,8 +75,8 @@ class TorchPagedBackend(AttentionBackend):
         )
         self._reads: dict[int | None, tuple[_Read | None, list[_Read]]] = {}
 
-    def _rows(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.tensor(pages, dtype=torch.int64, device=self.device) * 2
+    def _rows(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = pages * 2
         return k, k + 1
 
     def _decode_read(self, window: int | None) -> _Read:
@@ -86,10 +88,10 @@ class TorchPagedBackend(AttentionBackend):
             start = _first_token(s.kv_len - 1, window) - first * S
             return _Read(k, v, len(s.pages) - first, start, s.kv_len - first * S - start, None, False)
         n = max(len(s.pages) - f for s, f in zip(self.decodes, firsts, strict=True))
-        padded = []
-        for s, f in zip(self.decodes, firsts, strict=True):
-            padded += s.pages[f:] + [0] * (n - (len(s.pages) - f))
-        k, v = self._rows(padded)
+        padded = torch.zeros(len(self.decodes), n, dtype=torch.int64, device=self.device)
+        for i, (s, f) in enumerate(zip(self.decodes, firsts, strict=True)):
+            padded[i, : len(s.pages) - f] = s.pages[f:]
+        k, v = self._rows(padded.view(-1))
         offs = torch.tensor([f * S for f in firsts], device=self.device)[:, None]  # [B, 1]
         kv_pos = offs + torch.arange(n * S, device=self.device)[None, :]  # [B, L]
         q_pos = torch.tensor([s.kv_len - 1 for s in self.decodes], device=self.device)[:, None]
