@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from engine.attention import long_prefill, torch_paged
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_paged import TorchPagedBackend
 
@@ -82,3 +83,29 @@ def test_window_reads_only_the_pages_it_reaches() -> None:
     backend.plan(meta)
     _, (prefill,) = backend._reads_for(window)
     assert prefill.n_pages <= math.ceil((window + 7) / S) + 1
+
+
+@pytest.mark.parametrize("window", [None, 6, 40])
+@pytest.mark.parametrize("lse", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_after_long_prefix_in_bounded_blocks(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, lse: bool, dtype: torch.dtype
+) -> None:
+    """A 23-token chunk after 150 cached tokens: split at the prefix (full attention, where the
+    log-sum-exp op exists) or masked in query blocks of a few rows (a 64-element mask budget)."""
+    monkeypatch.setattr(long_prefill, "MASK_BUDGET", 64)
+    if not lse:
+        monkeypatch.setattr(torch_paged, "has_lse_attention", lambda device: False)
+    torch.manual_seed(1)
+    n, kv_len = 23, 173
+    table = torch.randperm(60)[: -(-kv_len // S)].tolist()
+    cache = torch.randn(60, 2, S, KVH, D).to(dtype)
+    q, k, v = (torch.randn(n, h, D).to(dtype) for h in (H, KVH, KVH))
+    backend = TorchPagedBackend(H, KVH, D)
+    backend.plan(AttentionMetadata.build([table], [n], [kv_len], S))
+    out = backend.forward(0, q, k, v, cache, window)
+    pages = cache[torch.tensor(table)].double()
+    keys, values = pages[:, 0].reshape(-1, KVH, D)[:kv_len], pages[:, 1].reshape(-1, KVH, D)[:kv_len]
+    want = reference(q.double(), keys, values, kv_len, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)

@@ -1,13 +1,14 @@
 """Paged attention in plain torch: the CPU path and the oracle every other backend is checked against.
 
 Decoding sequences (one new token each) are batched into a single SDPA call over their
-pages, padded to the longest; prefilling sequences run one SDPA call each, with a causal
-mask aligned to the end of their context (new tokens attend to the cached pages plus
-themselves). No step copies the whole context more than once: K and V are each read with
-one `index_select` on the cache viewed as `[pages * 2, page_size, KVH, D]` (page p's K at
-row 2p, its V at 2p + 1), sliding-window layers read only the pages their window reaches,
-a whole prompt in one chunk runs as plain causal attention without a mask, and a single
-decoding sequence slices its keys instead of masking them.
+pages, padded to the longest; prefilling sequences run one SDPA call each (new tokens
+attend to the cached pages plus themselves), never with a mask as large as chunk x context
+(`long_prefill`: split at the cached prefix, or masked in bounded query blocks). No step
+copies the whole context more than once: K and V are each read with one `index_select` on
+the cache viewed as `[pages * 2, page_size, KVH, D]` (page p's K at row 2p, its V at
+2p + 1), sliding-window layers read only the pages their window reaches, a whole prompt in
+one chunk runs as plain causal attention without a mask, and a single decoding sequence
+slices its keys instead of masking them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from engine.attention.long_prefill import attend_after_prefix, attend_blocked, has_lse_attention
 
 
 @dataclass
@@ -39,7 +41,7 @@ class _Read:
     n_pages: int  # per sequence (padded)
     start: int  # tokens to drop from the front of the read (B = 1 only)
     length: int  # tokens kept after `start` (B = 1 only; padded reads keep all)
-    mask: torch.Tensor | None  # bool, True = attend: decode [B, 1, 1, L], prefill [q, L]
+    mask: torch.Tensor | None  # bool, True = attend: decode [B, 1, 1, L]; None for prefills
     causal: bool  # plain causal attention (prefill of a whole prompt within its window)
 
 
@@ -111,6 +113,9 @@ class TorchPagedBackend(AttentionBackend):
         return _Read(k, v, n, 0, n * S, mask[:, None, None, :], False)
 
     def _prefill_read(self, s: _Seq, window: int | None) -> _Read:
+        """The pages a prefill chunk reads; no mask here (see `long_prefill`): a whole prompt
+        within its window is plain causal attention, anything else is masked block by block
+        or, for full attention, split at the cached prefix."""
         S = self.page_size
         first = self._first_page(s, s.kv_len - s.q_len, window)
         k, v = self._rows(s.pages[first - s.first_page :])
@@ -158,30 +163,45 @@ class TorchPagedBackend(AttentionBackend):
 
         if self.all_decode and decode is not None:
             keys, values = gather(decode, len(self.decodes))
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, values, attn_mask=decode.mask, scale=self.scale, enable_gqa=True
-            )  # [T, H, 1, D]
-            return o.squeeze(2)
+            return self._decode(q, keys, values, decode.mask)
         out = torch.empty_like(q)  # [T, H, D]
         if decode is not None and self.decode_rows is not None:
             keys, values = gather(decode, len(self.decodes))
-            o = F.scaled_dot_product_attention(
-                q[self.decode_rows].unsqueeze(2), keys, values, attn_mask=decode.mask, scale=self.scale, enable_gqa=True
-            )  # [Bd, H, 1, D]
-            out[self.decode_rows] = o.squeeze(2)
+            out[self.decode_rows] = self._decode(q[self.decode_rows], keys, values, decode.mask)
         for s, r in zip(self.prefills, prefills, strict=True):
             keys, values = gather(r, 1)
             queries = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
-            # 4-D inputs: with 3-D ones torch takes its slow math path on CPU (~9x slower here).
-            # A whole prompt in one chunk is plain causal attention: the kernel then skips masked blocks.
-            o = F.scaled_dot_product_attention(
-                queries[None],
-                keys,
-                values,
-                attn_mask=r.mask,
-                is_causal=r.causal,
-                scale=self.scale,
-                enable_gqa=True,
-            )[0]  # [H, q, D]
-            out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
+            out[s.q_start : s.q_start + s.q_len] = self._prefill(queries, keys[0], values[0], s, r, window).transpose(
+                0, 1
+            )
         return out
+
+    def _decode(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [B, H, D] (one query per sequence); keys, values [B, KVH, L, D]; mask [B, 1, 1, L] or
+        None. The G query heads sharing a KV head are folded into the query length ([B, KVH, G, D]):
+        no K/V repeat, and the CPU flash kernel runs G rows per key block instead of one (its
+        single-row GQA path is ~10x slower over 1M keys). Heads h = kvh * G + g, as with
+        `enable_gqa`. Returns [B, H, D]."""
+        B, H, D = q.shape
+        KVH = keys.shape[1]
+        o = F.scaled_dot_product_attention(
+            q.reshape(B, KVH, H // KVH, D), keys, values, attn_mask=mask, scale=self.scale
+        )  # [B, KVH, G, D]
+        return o.reshape(B, H, D)
+
+    def _prefill(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s: _Seq, r: _Read, window: int | None
+    ) -> torch.Tensor:
+        """queries [H, q, D]; keys, values [KVH, L, D] from the read's first page. Returns [H, q, D]."""
+        if r.causal:
+            # 4-D inputs: with 3-D ones torch takes its slow math path on CPU (~9x slower here).
+            # A whole prompt in one chunk is plain causal attention: the kernel skips masked blocks.
+            return F.scaled_dot_product_attention(
+                queries[None], keys[None], values[None], is_causal=True, scale=self.scale, enable_gqa=True
+            )[0]
+        if window is None and has_lse_attention(queries.device):
+            return attend_after_prefix(queries, keys, values, s.kv_len - s.q_len, self.scale)
+        first_pos = s.kv_len - r.length  # position of the read's first key
+        return attend_blocked(queries, keys, values, s.kv_len - s.q_len, first_pos, window, self.scale)

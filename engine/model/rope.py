@@ -1,8 +1,10 @@
 """Rotary position embeddings: inverse frequencies per scaling type, and their application.
 
-The cos/sin table is computed once for all positions up to the model's context, in
-float32, and gathered per step by position; q and k are rotated in the NeoX
-(rotate-half) convention that Llama/Qwen/Mistral checkpoints use.
+The inverse frequencies are float32, as transformers computes them; the angles of a step's
+positions are formed in float64 from int64 positions and reduced modulo 2*pi before cos/sin,
+so a position near 1M (angle ~1e6 rad, where a float32 product is off by ~0.06 rad) is as
+exact as position 0. q and k are rotated in the NeoX (rotate-half) convention that
+Llama/Qwen/Mistral checkpoints use.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ class RotaryEmbedding(torch.nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Args: positions [T] int64. Returns (cos, signed sin), each [T, 1, D] in `dtype`; the
         sine's first half is negated so that `apply_rotary` needs no negation of its own."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2] float32
+        freqs = rope_angles(positions, self.inv_freq)  # [T, D/2] float32 in [0, 2*pi)
         a = self.attention_factor
         cos = torch.cat((freqs, freqs), dim=-1).cos_()
         sin = torch.cat((-freqs, freqs), dim=-1).sin_()  # sin(-f) = -sin(f)
@@ -109,6 +111,17 @@ class RotaryEmbedding(torch.nn.Module):
             cos.mul_(a)
             sin.mul_(a)
         return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """positions [T] (int64) x inv_freq [D/2] -> angles [T, D/2] float32, reduced to [0, 2*pi).
+
+    The product is taken in float64 (exact to ~1e-10 rad at position 1M) and reduced before
+    narrowing, so the float32 cos/sin that follow carry only their own rounding (~1e-7)."""
+    if positions.is_floating_point():
+        raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
+    angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    return torch.remainder(angles, 2 * math.pi).to(torch.float32)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
