@@ -7,6 +7,7 @@ randomized interleaving of two actors (test_session_interleaving.py), events and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -163,6 +164,8 @@ def test_failed_commits_write_nothing(target: tuple[str, str]) -> None:
         r1 = reply(cid)
         f1 = await store.conversations.acquire_lease("t", cid, r1.id)
         await asyncio.sleep(0.25)  # the lease expires; another response takes the conversation
+        # ... and holds it for 30 s, so that a loaded machine cannot let it expire mid-test
+        store.conversations.config = dataclasses.replace(store.conversations.config, lease_ttl_ms=30_000)
         r2 = reply(cid)
         f2 = await store.conversations.acquire_lease("t", cid, r2.id)
         before = dump(url, prefix)
