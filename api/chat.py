@@ -16,19 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
 import msgspec
 from litestar import Request, Router, get, post
+from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from api.app import ready_guard
 from api.auth import tenant as request_tenant
 from api.chat_reply import ChatReply, token_logprobs
 from api.errors import ErrorSpec, register
-from api.limits import TenantQueue, tenant_queue
+from api.limits import WaitingSlot, tenant_queue
 from api.metrics import METRICS
 from api.responses import ERRORS, service
 from api.schemas import ChatCompletion, ChatCompletionBody, Model, ModelList
@@ -212,25 +213,33 @@ def _usage(prompt: int, cached: int, output: int, reasoning: int) -> dict[str, A
     }  # fmt: skip
 
 
-def submit(svc: SessionService, p: ChatPlan, tenant: str, queue: TenantQueue | None) -> RequestHandle:
+def submit(svc: SessionService, p: ChatPlan, slot: WaitingSlot) -> RequestHandle:
     """Add the engine request before any byte is sent, so that refusals (429, 400) are plain errors.
-    It counts as the tenant's waiting one in `queue` until `run` sees its first output."""
+    It holds the tenant's waiting `slot` until `run` sees its first output (released on failure)."""
     matcher = svc.compiler.matcher(p.grammar) if p.grammar is not None else None
-    if queue is not None:
-        queue.enter(tenant)
     try:
-        return svc.engine.add_request(p.prompt_ids, p.params, request_id=p.id, cache_salt=tenant, matcher=matcher)
+        return svc.engine.add_request(p.prompt_ids, p.params, request_id=p.id, cache_salt=slot.tenant, matcher=matcher)
     except BaseException:
-        if queue is not None:
-            queue.leave(tenant)
+        slot.release()
         raise
 
 
+def closer(handle: RequestHandle, slot: WaitingSlot) -> Callable[[], None]:
+    """What ends a request whose reader is gone, whether or not `run` ever started: the slot is
+    released and an unfinished engine request aborted."""
+
+    def close() -> None:
+        slot.release()
+        if not handle.done:
+            handle.abort()
+
+    return close
+
+
 async def run(
-    svc: SessionService, p: ChatPlan, tenant: str, handle: RequestHandle, queue: TenantQueue | None
+    svc: SessionService, p: ChatPlan, tenant: str, handle: RequestHandle, slot: WaitingSlot
 ) -> AsyncGenerator[dict[str, Any], None]:
     """The reply as chunk bodies; the last one has `finish_reason` (and `usage`, `message`, logprobs)."""
-    waiting = queue is not None
     output = cached = reasoning = 0
     last: float | None = None
     reason: FinishReason | None = None
@@ -238,9 +247,7 @@ async def run(
     logprobs: list[dict[str, Any]] = []
     try:
         async for out in handle:
-            if waiting and queue is not None:
-                waiting = False
-                queue.leave(tenant)
+            slot.release()
             if out.token_ids:
                 now = time.perf_counter()
                 if last is None:
@@ -263,8 +270,7 @@ async def run(
             if lps and not deltas:
                 yield {"delta": {}, "logprobs": lps}
     finally:
-        if waiting and queue is not None:
-            queue.leave(tenant)
+        slot.release()
         if reason is None:  # the client left, or the task was cancelled: stop the engine too
             handle.abort()
     METRICS.count_tokens(tenant, len(p.prompt_ids), cached, output)
@@ -282,12 +288,13 @@ def _chunk(p: ChatPlan, model: str, created: int, choices: list[dict[str, Any]],
 
 
 async def stream_chunks(
-    svc: SessionService, p: ChatPlan, gen: AsyncGenerator[dict[str, Any], None]
+    svc: SessionService, p: ChatPlan, gen: AsyncGenerator[dict[str, Any], None], close: Callable[[], None]
 ) -> AsyncIterator[bytes]:
+    """The SSE body; `close` runs however it ends (a client gone before `gen` started included)."""
     model, created = svc.config.model, int(time.time())
     first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    yield _chunk(p, model, created, [first])
     try:
+        yield _chunk(p, model, created, [first])
         async for part in gen:
             if "finish_reason" in part:
                 last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": part["finish_reason"]}
@@ -303,6 +310,7 @@ async def stream_chunks(
         yield b"data: " + _encoder.encode({"error": err}) + b"\n\n"
     finally:
         await gen.aclose()
+        close()
     yield b"data: [DONE]\n\n"
 
 
@@ -314,10 +322,17 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     tenant = request_tenant(request)
     p = await plan(svc, data.given())
     p.started = started
-    queue = tenant_queue(request.app.state.server)
-    gen = run(svc, p, tenant, submit(svc, p, tenant, queue), queue)
+    slot = WaitingSlot(tenant_queue(request.app.state.server), tenant)
+    handle = submit(svc, p, slot)
+    gen = run(svc, p, tenant, handle, slot)
     if p.stream:
-        stream = Stream(stream_chunks(svc, p, gen), media_type="text/event-stream", headers=HEADERS)
+        close = closer(handle, slot)
+
+        async def after() -> None:  # also when the body never started (the client left at once)
+            close()
+
+        chunks = stream_chunks(svc, p, gen, close)
+        stream = Stream(chunks, media_type="text/event-stream", headers=HEADERS, background=BackgroundTask(after))
         return cast(ChatCompletion, stream)
     final: dict[str, Any] = {}
     async for part in gen:

@@ -1,13 +1,17 @@
 """`GET /metrics`: the server in Prometheus' text format (0.0.4).
 
-Measured per HTTP request (what clients see; the engine's own histograms keep other names):
-`longctx:time_to_first_token_seconds`, `longctx:inter_token_latency_seconds` (chat completions),
-`longctx:e2e_request_latency_seconds` and `longctx:http_requests_total{route,status}` (every
-route, streams until their last byte). Token counters carry a `tenant` label. Read at scrape time:
-gauges from `Engine.snapshot()` (running, waiting, loading, queued, device pages), counters from it
-(preemptions, tokens) and from `Engine.kv_stats()` (`longctx:kv_<tier>_<counter>_total`: prefix
-cache, host tier, Redis tier), `longctx:startup_phase_seconds{phase}` and the process' resident
-memory.
+Measured per HTTP request (what clients see): `longctx:time_to_first_token_seconds` and
+`longctx:inter_token_latency_seconds` (chat completions, and streamed responses: their output
+deltas), `longctx:e2e_request_latency_seconds` and `longctx:http_requests_total{route,status}`
+(every route, streams until their last byte). Token counters (`longctx:prompt_tokens_total`,
+`cached_prompt`, `generation`) carry a `tenant` label; `longctx:tenant_waiting_requests{tenant}`
+is the per-tenant admission count. Read at scrape time: gauges from `Engine.snapshot()` (requests
+running, waiting, loading = waiting for KV pages from the host or Redis tier, queued; device pages
+used and free), host-tier bytes, counters from it (preemptions, tokens) and from
+`Engine.kv_stats()` (`longctx:kv_<tier>_<counter>_total`: prefix cache, host tier, Redis tier),
+the engine's own histograms as `longctx:engine_*` (e.g. `longctx:engine_queue_time_seconds`),
+`longctx:startup_phase_seconds{phase}`, the model load (bytes, bytes/s, loader phases) and the
+process' resident memory.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import bisect
 import threading
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Request, Response, get
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.limits import tenant_queue
 from api.state import ServerState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -75,8 +81,43 @@ class Metrics:
         with self._lock:
             self.requests[method, route, status] += 1
 
+    def count_usage(self, tenant: str, usage: Any) -> None:
+        """Tokens of a Responses `usage` (a struct or its JSON form; None: nothing to count)."""
+        if usage is None:
+            return
+        get = usage.get if isinstance(usage, dict) else lambda k: getattr(usage, k, None)
+        details = get("input_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else getattr(details, "cached_tokens", 0)
+        self.count_tokens(tenant, int(get("input_tokens") or 0), int(cached or 0), int(get("output_tokens") or 0))
+
 
 METRICS = Metrics()
+_TERMINAL = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+
+
+async def measured_events(events: AsyncIterator[Any], tenant: str, started: float) -> AsyncIterator[Any]:
+    """A Responses event stream as it is, observing the time to the first output delta, the time
+    between deltas and, from the terminal event, the tenant's tokens. Closing it closes `events`."""
+    last: float | None = None
+    try:
+        async for event in events:
+            kind = event.get("type", "") if isinstance(event, dict) else ""
+            if kind.startswith("response.") and kind.endswith(".delta"):  # text, reasoning, call arguments
+                now = time.perf_counter()
+                if last is None:
+                    METRICS.ttft.observe(now - started)
+                else:
+                    METRICS.itl.observe(now - last)
+                last = now
+            elif kind in _TERMINAL:
+                response = event.get("response")
+                usage = response.get("usage") if isinstance(response, dict) else getattr(response, "usage", None)
+                METRICS.count_usage(tenant, usage)
+            yield event
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def _label(value: str) -> str:
@@ -115,11 +156,17 @@ def render(state: ServerState, m: Metrics = METRICS) -> str:
         (f'{{phase="{_label(p)}"}}', s) for p, s in state.phase_seconds.items()
     ])  # fmt: skip
     out += _family("longctx:process_resident_memory_bytes", "gauge", "resident memory", [("", _rss_bytes())])
+    out += _load(state)
+    queue = tenant_queue(state)
+    if queue is not None:
+        out += _family("longctx:tenant_waiting_requests", "gauge", "requests waiting for their first token", [
+            (f'{{tenant="{_label(t)}"}}', n) for t, n in sorted(queue.snapshot().items())
+        ])  # fmt: skip
     engine = state.engine
     if engine is not None:
         snap = engine.snapshot()
-        for name in ("running", "waiting", "loading", "queued"):
-            out += _family(f"longctx:num_requests_{name}", "gauge", f"requests {name}", [("", getattr(snap, name))])
+        for name, help in REQUEST_GAUGES.items():
+            out += _family(f"longctx:num_requests_{name}", "gauge", help, [("", getattr(snap, name))])
         used = snap.total_pages - snap.free_pages
         out += _family("longctx:kv_pages_used", "gauge", "device KV pages in use", [("", used)])
         out += _family(
@@ -130,7 +177,56 @@ def render(state: ServerState, m: Metrics = METRICS) -> str:
         for tier, counters in engine.kv_stats().items():
             for key, value in counters.items():
                 out += _family(f"longctx:kv_{tier}_{key}_total", "counter", f"{tier} {key}", [("", value)])
+        store = getattr(engine, "store", None)
+        host_bytes = store.host.num_bytes if store is not None else 0
+        out += _family("longctx:kv_host_bytes", "gauge", "bytes of KV pages in the host tier", [("", host_bytes)])
+        out += _engine_histograms(engine)
     return "\n".join(out) + "\n"
+
+
+REQUEST_GAUGES = {
+    "running": "requests in the running batch",
+    "waiting": "requests waiting to be scheduled",
+    "loading": "requests waiting for KV pages from the host or Redis tier",
+    "queued": "requests added and not yet running (what --max-queued bounds)",
+}
+ENGINE_HISTOGRAMS = {  # EngineStats field -> exported name (engine-side, not per HTTP request)
+    "ttft": ("longctx:engine_time_to_first_token_seconds", "engine arrival to first token"),
+    "inter_token": ("longctx:engine_inter_token_latency_seconds", "engine time between tokens of a request"),
+    "queue_time": ("longctx:engine_queue_time_seconds", "engine arrival to first scheduled"),
+    "e2e": ("longctx:engine_e2e_request_latency_seconds", "engine arrival to finished"),
+}
+
+
+def _engine_histograms(engine: Any) -> list[str]:
+    """The engine's own histograms (`EngineStats.snapshot()`: cumulative buckets) and its
+    finished requests by reason."""
+    stats = engine.stats.snapshot()
+    out: list[str] = []
+    for field, (name, help) in ENGINE_HISTOGRAMS.items():
+        h = getattr(stats, field)
+        out += [f"# HELP {name} {help}", f"# TYPE {name} histogram"]
+        out += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(h.buckets, h.cumulative, strict=False)]
+        out += [f'{name}_bucket{{le="+Inf"}} {h.samples}', f"{name}_sum {h.sum}", f"{name}_count {h.samples}"]
+    out += _family("longctx:engine_requests_finished_total", "counter", "engine requests finished by reason", [
+        (f'{{reason="{_label(r)}"}}', n) for r, n in sorted(stats.finished_by_reason.items())
+    ])  # fmt: skip
+    return out
+
+
+def _load(state: ServerState) -> list[str]:
+    """How the model loaded: bytes read, their rate (`LoadStats.gb_per_s`), the loader's phases."""
+    loaded = state.loaded
+    if loaded is None:
+        return []
+    stats = loaded.stats
+    return [
+        *_family("longctx:model_load_bytes", "gauge", "weight bytes read at load", [("", stats.bytes_read)]),
+        *_family("longctx:model_load_bytes_per_second", "gauge", "weight load rate", [("", stats.gb_per_s * 1e9)]),
+        *_family("longctx:model_load_phase_seconds", "gauge", "seconds of each model-loading phase", [
+            (f'{{phase="{_label(p)}"}}', s) for p, s in stats.phases.items()
+        ]),
+    ]  # fmt: skip
 
 
 @get("/metrics", sync_to_thread=False)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from typing import Any, cast
 
 import msgspec
@@ -24,6 +26,7 @@ from litestar.openapi import ResponseSpec
 from api.app import ready_guard
 from api.auth import tenant
 from api.errors import ErrorSpec, register
+from api.metrics import METRICS, measured_events
 from api.schemas import Compacted, Deleted, ErrorBody, ItemList
 from api.sse import sse_response
 from api.state import ServerState
@@ -34,6 +37,8 @@ from sessions.requests import CreateResponseBody, InvalidParam
 from sessions.service import SessionService
 from sessions.store import SessionStore
 from sessions.tasks import BackgroundWorkers
+
+log = logging.getLogger("longctx.serve")
 
 register("InvalidParam", ErrorSpec(400))
 register("ContextLengthExceeded", ErrorSpec(400, code="context_length_exceeded"))
@@ -59,9 +64,11 @@ def page_body(page: ItemPage) -> ItemList:
 @post("/responses", status_code=200, responses=ERRORS)
 async def create_response(request: Request[Any, Any, Any], data: CreateResponseBody) -> Response:
     """Create a response (the final one; SSE events when `stream` is true)."""
-    result = await service(request).create(tenant(request), data, request.headers.get("idempotency-key"))
+    started, who = time.perf_counter(), tenant(request)
+    result = await service(request).create(who, data, request.headers.get("idempotency-key"))
     if hasattr(result, "__aiter__"):
-        return cast(Response, sse_response(result))
+        return cast(Response, sse_response(measured_events(result, who, started)))
+    METRICS.count_usage(who, getattr(result, "usage", None))
     return cast(Response, result)
 
 
@@ -117,8 +124,20 @@ router = Router(
 )
 
 
+def stop_margin_s(grace_s: float) -> float:
+    """How long before the end of the grace foreground turns are stopped, so that their
+    `response.incomplete` event and commit go out before uvicorn cuts the connections."""
+    return min(5.0, 0.5 * grace_s)  # ending a turn takes an engine step and a Redis commit: slow on busy cores
+
+
 def setup(state: ServerState) -> None:
-    """Build the session layer once the engine is warm (the `routes` phase); stop it on shutdown."""
+    """Build the session layer once the engine is warm (the `routes` phase); stop it on shutdown.
+
+    Shutdown (SIGTERM): background workers stop claiming at once; foreground turns still running
+    shortly before the grace ends are stopped (they commit `incomplete`, reason `server_shutdown`,
+    and their streams end with that event); at the lifespan's end running background jobs get
+    what is left of the grace, then are aborted and handed back to the queue.
+    """
 
     async def start(state: ServerState) -> None:
         from tools.formats import detect_format, resolve_format
@@ -134,15 +153,39 @@ def setup(state: ServerState) -> None:
         config = ServiceConfig(model=name, max_output_tokens=o.max_output_tokens)
         svc = state.extras["sessions"] = SessionService(state.engine, store, tok, state.grammar, fmt, config)
         if o.background_workers:
-            workers = BackgroundWorkers(svc, o.background_workers)
+            workers = state.extras["background"] = BackgroundWorkers(svc, o.background_workers)
             state.extras["workers"] = asyncio.create_task(workers.run(), name="background-workers")
+            state.on_drain.append(workers.stop_claiming)
+        loop = asyncio.get_running_loop()
+
+        def stop_turns() -> None:
+            if "stopping" not in state.extras:  # the task is kept until the process ends
+                log.info("shutdown: stopping the foreground responses still running")
+                state.extras["stopping"] = loop.create_task(svc.stop_foreground(5.0))
+
+        def stop_turns_later() -> None:  # on the loop, soon after the signal
+            loop.call_later(max(0.0, state.grace_left() - stop_margin_s(o.shutdown_grace_s)), stop_turns)
+
+        def on_drain() -> None:  # in the signal handler
+            loop.call_soon_threadsafe(stop_turns_later)
+
+        state.on_drain.append(on_drain)
 
     async def stop(state: ServerState) -> None:
+        workers: BackgroundWorkers | None = state.extras.pop("background", None)
         task = state.extras.pop("workers", None)
+        if workers is not None:
+            workers.stop_claiming()
+            await workers.drain(state.grace_left())
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        svc: SessionService | None = state.extras.get("sessions")
+        if svc is not None:
+            stopped = await svc.stop_foreground(5.0)
+            if stopped:
+                log.info("%d foreground responses stopped by the shutdown (incomplete)", stopped)
 
     state.on_startup.append(start)
     state.on_shutdown.append(stop)

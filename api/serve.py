@@ -9,8 +9,10 @@ Order of events:
    engine (KV pool, grammar compiler, the engine thread), compile (the compiled step's graphs,
    from `$LONGCTX_HOME/compile` when cached), warm-up (a short generation and
    a schema compile), routes (the async Redis client and the route modules' startup hooks).
-4. SIGTERM/SIGINT: no new work admitted, uvicorn closes connections, the lifespan stops the
-   engine and the hooks' resources, the managed Redis instances are released (the last user
+4. SIGTERM/SIGINT: no new work admitted (`ServerState.begin_drain`), streams get
+   `--shutdown-grace-s` to finish (foreground responses still running near its end stop and commit
+   `incomplete`; background jobs are handed back to the queue), uvicorn closes connections, the
+   lifespan stops the engine and the hooks' resources, the managed Redis instances are released (the last user
    stops them), exit 0. A failed startup exits 1 after logging why.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import shutil
 import sys
 import threading
@@ -50,9 +53,9 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.state.draining:
-            log.info("signal %d: no new work admitted; shutting down", sig)
-        self.state.draining = True
-        self.state.ready = False
+            grace = self.state.options.shutdown_grace_s
+            log.info("signal %d: no new work admitted; streams have %.1f s to finish", sig, grace)
+        self.state.begin_drain()
         if self.should_exit:
             self.force_exit = True  # a second signal: stop waiting for connections
         self.should_exit = True
@@ -266,6 +269,7 @@ def run(
         max_output_tokens=args.max_output_tokens,
         served_model_name=args.served_model_name or "",
         tool_call_format=args.tool_call_format,
+        shutdown_grace_s=getattr(args, "shutdown_grace_s", 10),
     )
     state = ServerState(options)
     try:
@@ -287,7 +291,7 @@ def run(
         port=args.port,
         log_config=None,
         access_log=args.verbose,
-        timeout_graceful_shutdown=getattr(args, "shutdown_grace_s", 10),
+        timeout_graceful_shutdown=math.ceil(options.shutdown_grace_s),
     )
     server = _Server(config, state)
     startup = Startup(args, server, model)

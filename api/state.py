@@ -8,6 +8,7 @@ from `request.app.state.server`; they may use `engine`, `redis` and `grammar` on
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -39,6 +40,7 @@ class ServeOptions:
         max_output_tokens: cap on a response's output tokens (the default when none is asked).
         served_model_name: the `model` the server answers to and reports.
         tool_call_format: `auto` (from the chat template) or a format name (`tools.formats`).
+        shutdown_grace_s: on SIGTERM, how long streams and background jobs may take to finish.
     """
 
     redis_url: str
@@ -48,6 +50,7 @@ class ServeOptions:
     max_output_tokens: int = 4096
     served_model_name: str = ""
     tool_call_format: str = "auto"
+    shutdown_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.redis_prefix or any(c.isspace() for c in self.redis_prefix):
@@ -75,6 +78,27 @@ class ServerState:
     on_shutdown: list[Hook] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)  # resources the route modules add
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Called (from the signal handler: keep them short, no awaiting) when SIGTERM starts the drain.
+    on_drain: list[Callable[[], None]] = field(default_factory=list)
+    drain_deadline: float | None = None  # time.monotonic() by which every stream must have ended
+
+    def begin_drain(self) -> None:
+        """No new work from now on; the grace (`shutdown_grace_s`) starts once."""
+        self.draining, self.ready = True, False
+        if self.drain_deadline is not None:
+            return
+        self.drain_deadline = time.monotonic() + self.options.shutdown_grace_s
+        for callback in self.on_drain:
+            try:
+                callback()
+            except Exception:
+                logging.getLogger("longctx.serve").exception("drain callback failed")
+
+    def grace_left(self) -> float:
+        """Seconds left of the shutdown grace (the whole grace before a drain began)."""
+        if self.drain_deadline is None:
+            return self.options.shutdown_grace_s
+        return max(0.0, self.drain_deadline - time.monotonic())
 
     def require_ready(self) -> None:
         """Raise NotReady unless the server is ready and not shutting down."""

@@ -179,6 +179,19 @@ class SessionService:
             turn.stop("client_disconnected")
             raise
 
+    async def stop_foreground(self, timeout_s: float) -> int:
+        """The server stops: every foreground turn running here is stopped and commits `incomplete`
+        (once, reason `server_shutdown`); waits up to `timeout_s` for those commits. Background
+        turns are left to their workers (`sessions.tasks`), which hand their jobs back. Returns
+        how many turns were stopped."""
+        turns = [t for t in self.running.values() if not t.plan.response.background]
+        for turn in turns:
+            turn.stop("shutdown")
+        tasks = [t.task for t in turns if t.task is not None and not t.task.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        return len(turns)
+
     async def _repeat(self, tenant: str, first: str, stream: bool) -> Any:
         """An Idempotency-Key repeat: the first response once final (409 while it runs)."""
         if first in self.running:

@@ -9,7 +9,8 @@ the response runs nothing is trimmed; `finish` then keeps the last `events_maxle
 Jobs (`P:jobs`, consumer group `workers`): one entry `{resp, tenant}` per background response.
 A worker claims with XREADGROUP, heartbeats (which resets the entry's idle time while it is
 still the owner), and acks (XACK + XDEL) when the response is final. A job idle longer than
-`min_idle_ms` (its worker died) is taken over with XAUTOCLAIM. An enqueue replayed after a lost
+`min_idle_ms` (its worker died) is taken over with XAUTOCLAIM; a worker that stops on purpose
+(its server shuts down) hands its job back at once (`requeue`: acked, queued again). An enqueue replayed after a lost
 reply may queue a response twice: workers skip a response already final, and the lease fence
 stops a second run of a conversation turn from committing.
 """
@@ -163,6 +164,22 @@ class JobQueue:
             return await pipe.execute()
 
         await self.retrier.run(once, "ack")
+
+    async def requeue(self, job: Job) -> str:
+        """Hand a job back (its worker stops before finishing it): acked and removed, and queued
+        again as a new entry in one transaction, so any worker claims it at once rather than after
+        `min_idle_ms`. Returns the new job id."""
+
+        async def once() -> Any:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xack(self.keys.jobs, GROUP, job.id)
+            pipe.xdel(self.keys.jobs, job.id)
+            pipe.xadd(self.keys.jobs, {"resp": job.response_id, "tenant": job.tenant})
+            return await pipe.execute()
+
+        reply = await self.retrier.run(once, "requeue")
+        new_id = reply[-1]
+        return new_id.decode() if isinstance(new_id, bytes) else str(new_id)
 
     async def autoclaim_stale(self, consumer: str, min_idle_ms: int = 30_000, count: int = 10) -> list[Job]:
         """Take over up to `count` jobs no heartbeat touched for `min_idle_ms` (their worker died)."""

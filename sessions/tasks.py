@@ -9,6 +9,11 @@ after any a dead attempt left, each with `"attempt": n` from the second attempt 
 overload or a busy conversation makes the worker back off and retry, never fail the job. A
 response that is final (done, or cancelled while queued) is acked and skipped; one cancelled
 while it runs elsewhere is noticed within `CANCEL_POLL_S`.
+
+Stopping (the server shuts down): `stop_claiming` first (no new job is taken; one claimed
+meanwhile is handed straight back), `drain` lets running jobs finish until a deadline, then
+cancelling `run` aborts the rest without a commit and hands their jobs back to the queue
+(`JobQueue.requeue`), so another server's worker runs them at once, as a next attempt.
 """
 
 from __future__ import annotations
@@ -65,6 +70,18 @@ class BackgroundWorkers:
         self.heartbeat_s, self.claim_idle_s = heartbeat_s, claim_idle_s
         self._tasks: set[asyncio.Task[Any]] = set()
         self._turns: dict[str, asyncio.Task[Response]] = {}  # response id -> its running turn
+        self._jobs: dict[str, Job] = {}  # job id -> job being run here and not yet acked
+        self.claiming = True
+
+    def stop_claiming(self) -> None:
+        """Take no new job (any thread, or a signal handler: it only sets a flag)."""
+        self.claiming = False
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the jobs running here to finish."""
+        turns = list(self._turns.values())
+        if turns and timeout_s > 0:
+            await asyncio.wait(turns, timeout=timeout_s)
 
     async def run(self) -> None:
         """Claim and run jobs until cancelled; then running turns are aborted without a commit,
@@ -77,15 +94,28 @@ class BackgroundWorkers:
             for t in [*self._tasks, *turns]:
                 t.cancel()
             await asyncio.gather(*self._tasks, *turns, return_exceptions=True)
+            await self._hand_back(list(self._jobs.values()))
+
+    async def _hand_back(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            try:
+                await self.store.jobs.requeue(job)
+                log.info("background response %s handed back to the queue", job.response_id)
+            except StoreError as e:  # left pending: taken over once idle for claim_idle_s
+                log.warning("could not hand back background job %s: %s", job.response_id, e)
+            self._jobs.pop(job.id, None)
 
     async def _claim_new(self, consumer: str) -> None:
-        while True:
+        while self.claiming:
             try:
                 jobs = await self.store.jobs.claim(consumer, count=1, block_ms=2000)
             except StoreError as e:
                 log.warning("claiming background jobs failed: %s", e)
                 await asyncio.sleep(1)
                 continue
+            if not self.claiming:  # claimed while stopping: another server runs it
+                await self._hand_back(jobs)
+                return
             for job in jobs:
                 try:
                     await self.run_job(consumer, job)
@@ -93,12 +123,15 @@ class BackgroundWorkers:
                     log.warning("background job %s not acknowledged: %s", job.response_id, e)
 
     async def _claim_stale(self, consumer: str) -> None:
-        while True:
+        while self.claiming:
             try:
                 jobs = await self.store.jobs.autoclaim_stale(consumer, int(self.claim_idle_s * 1000))
             except StoreError as e:
                 log.warning("taking over stale background jobs failed: %s", e)
                 jobs = []
+            if not self.claiming:
+                await self._hand_back(jobs)
+                return
             for job in jobs:
                 if job.response_id in self._turns:  # ours, running: its heartbeat was late
                     continue
@@ -114,6 +147,7 @@ class BackgroundWorkers:
         it is taken over and rerun once idle for `claim_idle_s`."""
         beat = asyncio.create_task(self._heartbeat(consumer, job))
         backoff = 0.5
+        self._jobs[job.id] = job  # until acked or left pending; a cancelled run is handed back
         try:
             while True:
                 try:
@@ -129,9 +163,11 @@ class BackgroundWorkers:
                     break
                 except Exception:
                     log.exception("background response %s failed; it stays queued for a rerun", job.response_id)
+                    self._jobs.pop(job.id, None)
                     return None
         finally:
             beat.cancel()
+        self._jobs.pop(job.id, None)
         await self.store.jobs.ack(job.id)
         return final
 

@@ -11,7 +11,8 @@ lease every `renew_s` while it runs, then writes the final response exactly once
 
 and only then emits the terminal event, so a client that saw it can retrieve the response.
 Finish reasons map to statuses: STOP -> completed, LENGTH -> incomplete (max_output_tokens),
-ERROR -> failed, ABORT -> incomplete (the client left) or cancelled (`cancel`).
+ERROR -> failed, ABORT -> incomplete (the client left, or the server stopped: reason
+`server_shutdown`) or cancelled (`cancel`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from sessions.store import SessionStore
 
 log = logging.getLogger("longctx.sessions")
 
-StopWhy = Literal["client_disconnected", "cancelled", "lease_lost"]
+StopWhy = Literal["client_disconnected", "cancelled", "lease_lost", "shutdown"]
 
 
 @dataclass
@@ -161,7 +162,9 @@ class Turn:
     def _incomplete(self, status: str, reason: FinishReason | None) -> IncompleteDetails | None:
         if status != "incomplete":
             return None
-        return IncompleteDetails("max_output_tokens" if reason == FinishReason.LENGTH else "client_disconnected")
+        if reason == FinishReason.LENGTH:
+            return IncompleteDetails("max_output_tokens")
+        return IncompleteDetails("server_shutdown" if self.stopped == "shutdown" else "client_disconnected")
 
     async def _commit(self, final: Response, output_ids: list[int]) -> Response:
         p = self.plan

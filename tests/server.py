@@ -1,7 +1,7 @@
 """`longctx serve` as a subprocess for HTTP tests: started on a free port, ready, stopped with SIGTERM.
 
-    with running_server(model_path, redis_url=url) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    with running_server(model_path, *keys_args(tmp), redis_url=url) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=TEST_KEY, max_retries=0)
 
 One server per test module (a module-scoped fixture around `running_server`). Each gets a
 unique `--redis-prefix`; with the shared test Redis its keys are deleted afterwards. Stopping
@@ -28,6 +28,7 @@ from pathlib import Path
 from tests.redis_server import delete_prefix, unique_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
+TEST_KEY, TEST_TENANT = "sk-test-a", "tenant-a"  # the key clients of `keys_args` servers use
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 60.0
 
@@ -76,6 +77,14 @@ def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, dict[str, object]]:
         return e.code, json.loads(e.read() or b"{}")
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return 0, {}
+
+
+def keys_args(directory: Path, pairs: tuple[tuple[str, str], ...] = ((TEST_KEY, TEST_TENANT),)) -> tuple[str, ...]:
+    """`--api-keys-file` flags for a keys file written in `directory` (`KEY TENANT` lines), so
+    the HTTP tests run authenticated, as a server exposed beyond loopback must."""
+    path = directory / "api-keys"
+    path.write_text("# key tenant\n" + "".join(f"{k} {t}\n" for k, t in pairs))
+    return ("--api-keys-file", str(path))
 
 
 def serve_command(model: str | Path, port: int, prefix: str, *args: str) -> list[str]:

@@ -30,7 +30,7 @@ from tests.server import Server, running_server
 
 ARGS = (
     "--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "0",
-    "--max-num-seqs", "2", "--max-queued-per-tenant", "1", "--shutdown-grace-s", "5",
+    "--max-num-seqs", "1", "--max-queued", "1", "--shutdown-grace-s", "5",
 )  # fmt: skip
 WEATHER: Any = {
     "type": "function",
@@ -213,7 +213,10 @@ def test_tenants(server: Server, client: openai.OpenAI, model: str) -> None:
     assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
 
 
-def test_body_limit_and_tenant_queue(server: Server, client: openai.OpenAI, model: str) -> None:
+def test_body_limit_and_overload(server: Server, client: openai.OpenAI, model: str) -> None:
+    """`--max-num-seqs 1 --max-queued 1` (so at most one waiting request per tenant too): of four
+    concurrent streams at least one is refused with 429, Retry-After and `x-should-retry: true`;
+    every other one completes."""
     big = httpx.post(
         server.url + "/v1/chat/completions", content=b"x" * (9 << 20),
         headers={"Authorization": "Bearer key-a", "Content-Type": "application/json"}, timeout=30,
@@ -225,18 +228,41 @@ def test_body_limit_and_tenant_queue(server: Server, client: openai.OpenAI, mode
             chunks = client.chat.completions.create(
                 model=model,
                 messages=QUESTION,
-                max_tokens=12,
+                max_tokens=24,
                 temperature=0,
                 stream=True,  # type: ignore[arg-type]
             )
-            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            parts = [c for c in chunks if c.choices]
+            assert parts[-1].choices[0].finish_reason in ("stop", "length")
+            return "".join(c.choices[0].delta.content or "" for c in parts)
         except openai.RateLimitError as e:
             assert e.response.headers["retry-after"] and e.response.headers["x-should-retry"] == "true"
             return "429"
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(stream, range(4)))
-    assert "429" in results and any(r != "429" and r for r in results), results
+    assert "429" in results and all(r for r in results), results
+    assert any(r != "429" for r in results), results
+
+
+def test_waiting_slot_released_when_the_client_leaves_early(server: Server, client: openai.OpenAI, model: str) -> None:
+    """Streams closed by their client before the first token give back the tenant's waiting
+    place and stop their engine request: the tenant is served again, nothing keeps running."""
+    body = {"model": model, "messages": QUESTION, "max_tokens": 1000, "temperature": 0, "stream": True}
+    headers = {"Authorization": "Bearer key-a"}
+    for _ in range(3):
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+            assert r.status_code == 200  # the headers only: the client leaves before any token
+    deadline = time.monotonic() + 60
+    while True:
+        m = _samples(httpx.get(server.url + "/metrics", timeout=10).text)
+        busy = m.get('longctx:tenant_waiting_requests{tenant="tenant-a"}', 0) + m["longctx:num_requests_running"]
+        if busy == 0 and m["longctx:num_requests_queued"] == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.2)
+    done = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=2)  # type: ignore[arg-type]
+    assert done.choices[0].message.content is not None
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -260,6 +286,16 @@ def test_metrics(server: Server, client: openai.OpenAI, model: str) -> None:
     assert after["longctx:kv_pages_free"] > 0 and after["longctx:kv_prefix_queries_total"] > 0
     assert any(k.startswith("longctx:startup_phase_seconds{") for k in after)
     assert any('route="/chat/completions",status="200"' in k for k in after)
+    queue = "longctx:engine_queue_time_seconds_count"
+    assert after[queue] >= before.get(queue, 0) + 1
+    assert after["longctx:model_load_bytes_per_second"] > 0 and after["longctx:process_resident_memory_bytes"] > 0
+    for gauge in ("num_requests_loading", "kv_pages_used", "kv_host_bytes"):
+        assert f"longctx:{gauge}" in after
+    with client.responses.stream(model=model, input="Hi", max_output_tokens=3, temperature=0) as events:
+        for _ in events:
+            pass
+    last = _samples(httpx.get(server.url + "/metrics", timeout=10).text)
+    assert last[ttft] == after[ttft] + 1  # a streamed response counts as well
 
 
 def test_longctx_chat_piped(server: Server) -> None:

@@ -1,5 +1,6 @@
 """The Responses and Conversations APIs over HTTP with the official `openai` client: `longctx serve`
-on the demo model (float32, greedy) and the shared test Redis. Turns by `conversation` and by
+on the demo model (float32, greedy) and the shared test Redis, started with `--api-keys-file` (the
+client sends its key). Turns by `conversation` and by
 `previous_response_id`, a streamed reply, a tool round trip, `responses.parse` with a Pydantic
 model, the Conversations API as the Agents SDK pages it, errors as OpenAI's error object."""
 
@@ -13,7 +14,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.redis_server import shared_redis
-from tests.server import Server, running_server
+from tests.server import TEST_KEY, Server, keys_args, running_server
 
 ARGS = (
     "--dtype",
@@ -38,13 +39,16 @@ WEATHER = {
 @pytest.fixture(scope="module")
 def server(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("logs") / "serve.log"
-    with shared_redis() as (url, _), running_server(demo_gguf, *ARGS, log=log, redis_url=url) as s:
+    with (
+        shared_redis() as (url, _),
+        running_server(demo_gguf, *ARGS, *keys_args(log.parent), log=log, redis_url=url) as s,
+    ):
         yield s
 
 
 @pytest.fixture
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=TEST_KEY, max_retries=0, timeout=120)
 
 
 def test_turns_by_conversation_and_previous_response_id(client: openai.OpenAI) -> None:

@@ -1,6 +1,7 @@
 """Compaction and truncation over HTTP with the `openai` client: `longctx serve` on the demo model
-(float32, greedy) and the shared test Redis, one server for the module. A small KV cache
-(64 MiB, about 1400 tokens) makes the context limit reachable for the truncation test."""
+(float32, greedy) and the shared test Redis, one server for the module (with `--api-keys-file`).
+A small KV cache (64 MiB, about 1400 tokens) makes the context limit reachable for the
+truncation test."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 from sessions.compaction import SUMMARY_MAX_TOKENS, SUMMARY_PROMPT
 from tests.redis_server import shared_redis
-from tests.server import Server, running_server
+from tests.server import TEST_KEY, Server, keys_args, running_server
 
 ARGS = (
     "--dtype",
@@ -41,13 +42,16 @@ STORY = (
 @pytest.fixture(scope="module")
 def server(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("logs") / "serve.log"
-    with shared_redis() as (url, _), running_server(demo_gguf, *ARGS, log=log, redis_url=url) as s:
+    with (
+        shared_redis() as (url, _),
+        running_server(demo_gguf, *ARGS, *keys_args(log.parent), log=log, redis_url=url) as s,
+    ):
         yield s
 
 
 @pytest.fixture
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=TEST_KEY, max_retries=0, timeout=300)
 
 
 def summary_of(encrypted_content: str) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 
 from tests.redis_server import delete_prefix, shared_redis, unique_prefix
-from tests.server import start_server
+from tests.server import TEST_KEY, keys_args, start_server
 
 ARGS = (
     "--dtype",
@@ -34,10 +34,12 @@ def test_foreground_turn_of_a_killed_server_is_failed(demo_gguf: Path, tmp_path:
     on a `previous_response_id` chain (a lease of its own), killed together."""
     prefix = unique_prefix()
     with shared_redis() as (url, _):
-        first = start_server(demo_gguf, "--redis-url", url, *ARGS, log=tmp_path / "a.log", prefix=prefix)
+        first = start_server(
+            demo_gguf, "--redis-url", url, *ARGS, *keys_args(tmp_path), log=tmp_path / "a.log", prefix=prefix
+        )
         second = None
         try:
-            client = openai.OpenAI(base_url=first.url + "/v1", api_key="x", max_retries=0, timeout=120)
+            client = openai.OpenAI(base_url=first.url + "/v1", api_key=TEST_KEY, max_retries=0, timeout=120)
             conv = client.conversations.create(items=[{"role": "user", "content": "Hello"}])
             before = [i.id for i in client.conversations.items.list(conv.id).data]
             prev = client.responses.create(model="demo", input="Hello", max_output_tokens=4, temperature=0)
@@ -66,8 +68,10 @@ def test_foreground_turn_of_a_killed_server_is_failed(demo_gguf: Path, tmp_path:
             first.proc.wait()
             for reader in readers:
                 reader.join(30)
-            second = start_server(demo_gguf, "--redis-url", url, *ARGS, log=tmp_path / "b.log", prefix=prefix)
-            client = openai.OpenAI(base_url=second.url + "/v1", api_key="x", max_retries=0, timeout=120)
+            second = start_server(
+                demo_gguf, "--redis-url", url, *ARGS, *keys_args(tmp_path), log=tmp_path / "b.log", prefix=prefix
+            )
+            client = openai.OpenAI(base_url=second.url + "/v1", api_key=TEST_KEY, max_retries=0, timeout=120)
             deadline = time.monotonic() + LEASE_S + 30
             for resp_id in seen.values():
                 status = client.responses.retrieve(resp_id).status
@@ -103,10 +107,12 @@ def test_background_and_kv_pages_survive_a_killed_server(demo_gguf: Path, tmp_pa
     prefix = unique_prefix()
     long_text = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(160))
     with shared_redis() as (url, _):
-        first = start_server(demo_gguf, "--redis-url", url, *args, log=tmp_path / "a.log", prefix=prefix)
+        first = start_server(
+            demo_gguf, "--redis-url", url, *args, *keys_args(tmp_path), log=tmp_path / "a.log", prefix=prefix
+        )
         second = None
         try:
-            client = openai.OpenAI(base_url=first.url + "/v1", api_key="x", max_retries=0, timeout=300)
+            client = openai.OpenAI(base_url=first.url + "/v1", api_key=TEST_KEY, max_retries=0, timeout=300)
             conv = client.conversations.create(items=[])
             turn = client.responses.create(model="demo", conversation=conv.id, input=long_text + "\nThanks.",
                                            temperature=0, max_output_tokens=4)  # fmt: skip
@@ -127,8 +133,10 @@ def test_background_and_kv_pages_survive_a_killed_server(demo_gguf: Path, tmp_pa
             assert pages > 0
             first.proc.send_signal(signal.SIGKILL)
             first.proc.wait()
-            second = start_server(demo_gguf, "--redis-url", url, *args, log=tmp_path / "b.log", prefix=prefix)
-            client = openai.OpenAI(base_url=second.url + "/v1", api_key="x", max_retries=0, timeout=300)
+            second = start_server(
+                demo_gguf, "--redis-url", url, *args, *keys_args(tmp_path), log=tmp_path / "b.log", prefix=prefix
+            )
+            client = openai.OpenAI(base_url=second.url + "/v1", api_key=TEST_KEY, max_retries=0, timeout=300)
             nxt = client.responses.create(model="demo", conversation=conv.id, input="How much did hive 3 give?",
                                           temperature=0, max_output_tokens=4)  # fmt: skip
             assert nxt.usage is not None
