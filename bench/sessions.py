@@ -1,17 +1,23 @@
-"""Per-turn TTFT of an agent conversation over HTTP: kept by the server versus re-sent whole.
+"""Per-turn TTFT of conversations kept by the server, against history re-sent whole, over HTTP.
 
-A `--turns`-turn agent conversation with tool calls on the demo model (`longctx serve`,
-float32, the shared test Redis under a fresh prefix): odd turns ask for the `sensor` tool
-(`tool_choice: required`), even turns answer the call and ask the next question. Per turn:
-(a) the turn by `conversation`; (b) the whole history re-sent (`store: false`) to a server run
-with `--no-prefix-cache`; (c) the same on the caching server; then (d) one more turn of (a)'s
-conversation after a restart of its server (its KV pages come back from the Redis tier).
-TTFT: from sending to the first `output_item.added`. Session overhead of (a): the time to
-`response.created` plus from the last output event to `response.completed` (planning, Redis
-reads, rendering, the commit). Redis bytes: `MEMORY USAGE` of the prefix's state keys (KV pages
-not counted). Prints a table and writes JSON to bench/results/sessions.json.
+(a)-(d), `bench/sess_agent.py`: a `--turns`-turn agent conversation with tool calls on the demo
+model: (a) by `conversation`, (b) the whole history re-sent (`store: false`) to a server run with
+`--no-prefix-cache`, (c) the same to the caching server, (d) turn `--restart-at` of (a) just after
+its server restarted (its KV pages come back from the Redis tier). Session overhead of (a):
+planning (to `response.created`: Redis reads, rendering, tokenizing, grammar, engine admission) and
+tail (last output event to the terminal event: the commit, plus decoding the call's end marker or
+the end-of-sequence token). Redis bytes per conversation: state keys and KV pages.
 
-    python bench/sessions.py [--turns 20]
+(e), `bench/sess_spill.py`: `--convs` conversations of `--conv-tokens` tokens interleaved
+round-robin, with a device pool sized for `--device-convs` of them and a host tier for
+`--host-convs` (fewer than all), so the rest come back from Redis: TTFT p50/p95 per round against
+round 0, the full prefill of each conversation's opening.
+
+Both run on their own `redis-server` (unix socket, removed afterwards) and `longctx serve`
+subprocesses from this checkout. Prints tables with the load average and writes JSON to
+bench/results/sessions.json.
+
+    python bench/sessions.py [--quick] [--only agent|spill] [--turns 20] [--convs 100]
 """
 
 from __future__ import annotations
@@ -20,130 +26,68 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "bench"))
 RESULTS = ROOT / "bench" / "results"
-ARGS = (
-    "--dtype",
-    "float32",
-    "--threads",
-    "2",
-    "--kv-cache-bytes",
-    "256MiB",
-    "--background-workers",
-    "0",
-    "--served-model-name",
-    "demo",
-)
-SENSOR = {"type": "function", "name": "sensor", "description": "Read a sensor by number.",
-          "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}  # fmt: skip
+
+from sess_agent import print_agent, run_agent  # noqa: E402
+from sess_common import loadavg  # noqa: E402
+from sess_spill import print_spill, run_spill, summarize_spill  # noqa: E402
 
 
-def timed(client: Any, **kwargs: Any) -> dict[str, Any]:
-    """One streamed response: TTFT, overhead, the final response."""
-    t0 = time.perf_counter()
-    created = first = last = done = None
-    final = None
-    for event in client.responses.create(stream=True, **kwargs):
-        t = time.perf_counter() - t0
-        if event.type == "response.created":
-            created = t
-        elif event.type == "response.output_item.added" and first is None:
-            first = t
-        elif event.type in ("response.completed", "response.incomplete", "response.failed"):
-            done, final = t, event.response
-        else:
-            last = t
-    assert final is not None and created is not None and done is not None
-    return {"ttft_s": first if first is not None else done, "overhead_s": created + done - (last or done),
-            "response": final}  # fmt: skip
-
-
-def turn_input(k: int, last: Any) -> list[dict[str, Any]]:
-    """Turn k's input: the answer to the previous turn's call (if any) and a question."""
-    items: list[dict[str, Any]] = []
-    calls = [o for o in (last.output if last is not None else []) if o.type == "function_call"]
-    for c in calls:
-        items.append({"type": "function_call_output", "call_id": c.call_id, "output": f"sensor reads {17 + k} C"})
-    items.append({"role": "user", "content": f"Step {k}: read sensor {k} and tell me whether it is above 20 C."})
-    return items
-
-
-def redis_bytes(url: str, prefix: str) -> int:
-    import redis
-
-    r = redis.Redis.from_url(url)
-    total = sum(r.memory_usage(k) or 0 for k in r.scan_iter(f"{prefix}:*", count=1000) if b":kv:" not in k)
-    r.close()
-    return int(total)
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a short run: 6 turns; 8 conversations of 1k, 2 on device")
+    ap.add_argument("--only", choices=["agent", "spill"], default=None)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--restart-at", type=int, default=11, help="the turn (d) runs on a restarted server")
+    ap.add_argument("--max-output-tokens", type=int, default=48, help="per agent turn (a call takes about 30)")
+    ap.add_argument("--kv-cache-bytes", default="256MiB", help="device pool of the agent servers")
+    ap.add_argument("--convs", type=int, default=100)
+    ap.add_argument("--conv-tokens", type=int, default=2000)
+    ap.add_argument("--device-convs", type=int, default=20)
+    ap.add_argument("--host-convs", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of (e) after the opening one")
+    ap.add_argument("--spill-output-tokens", type=int, default=8)
+    ap.add_argument("--spill-kv-dtype", default="int8", choices=["auto", "int8"], help="host and Redis tier storage")
+    a = ap.parse_args()
+    if a.quick:
+        a.turns, a.restart_at = 6, 5
+        a.convs, a.conv_tokens, a.device_convs, a.host_convs, a.rounds = 8, 1000, 2, 3, 1
+        a.spill_output_tokens = 4
+    return a
 
 
 def main() -> None:
-    import openai
-
     from engine.loading.model_source import pull_demo
-    from tests.redis_server import delete_prefix, shared_redis, unique_prefix
-    from tests.server import start_server
+    from tests.redis_server import private_redis
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--turns", type=int, default=20)
-    a = ap.parse_args()
-    gguf, logs = pull_demo(), Path(tempfile.mkdtemp())
-    rows: list[dict[str, Any]] = []
-    with shared_redis() as (url, _):
-        prefix, cold_prefix = unique_prefix(), unique_prefix()
-        server = start_server(gguf, "--redis-url", url, *ARGS, log=logs / "a.log", prefix=prefix)
-        cold = start_server(gguf, "--redis-url", url, "--no-prefix-cache", *ARGS, log=logs / "b.log",
-                            prefix=cold_prefix)  # fmt: skip
-        try:
-            c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
-            cc = openai.OpenAI(base_url=cold.url + "/v1", api_key="x", max_retries=0, timeout=600)
-            conv = c.conversations.create(items=[])
-            history: list[dict[str, Any]] = []
-            last = None
-            common = {"model": "demo", "tools": [SENSOR], "temperature": 0, "max_output_tokens": 24}
-            for k in range(1, a.turns + 1):
-                new = turn_input(k, last)
-                choice = "required" if k % 2 else "auto"
-                ra = timed(c, conversation=conv.id, input=new, tool_choice=choice, **common)
-                rb = timed(cc, input=[*history, *new], store=False, tool_choice=choice, **common)
-                rc = timed(c, input=[*history, *new], store=False, tool_choice=choice, **common)
-                last = ra["response"]
-                history += [*new, *(o.model_dump(exclude_none=True) for o in last.output)]
-                u = last.usage
-                rows.append({"turn": k, "prompt_tokens": u.input_tokens, "cached_tokens":
-                             u.input_tokens_details.cached_tokens, "a_ttft_s": ra["ttft_s"], "b_ttft_s": rb["ttft_s"],
-                             "c_ttft_s": rc["ttft_s"], "a_overhead_s": ra["overhead_s"]})  # fmt: skip
-                print(rows[-1], flush=True)
-            state_bytes = redis_bytes(url, prefix)
-            server.stop()
-            server = start_server(gguf, "--redis-url", url, *ARGS, log=logs / "a2.log", prefix=prefix)
-            c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
-            rd = timed(c, conversation=conv.id, input=turn_input(a.turns + 1, last), tool_choice="auto", **common)
-            d = {"turn": a.turns + 1, "d_ttft_s": rd["ttft_s"], "prompt_tokens": rd["response"].usage.input_tokens,
-                 "cached_tokens": rd["response"].usage.input_tokens_details.cached_tokens}  # fmt: skip
-        finally:
-            for s in (server, cold):
-                if s.proc.poll() is None:
-                    s.stop()
-            delete_prefix(url, prefix)
-            delete_prefix(url, cold_prefix)
-    print(
-        f"{'turn':>4} {'prompt':>6} {'cached':>6} {'(a) conv':>9} {'(b) whole':>9} {'(c) cached':>10} {'overhead':>8}"
-    )
-    for r in rows:
-        print(f"{r['turn']:>4} {r['prompt_tokens']:>6} {r['cached_tokens']:>6} {r['a_ttft_s']:>9.3f} "
-              f"{r['b_ttft_s']:>9.3f} {r['c_ttft_s']:>10.3f} {r['a_overhead_s']:>8.3f}")  # fmt: skip
-    print(f"(d) turn {d['turn']} after a restart: TTFT {d['d_ttft_s']:.3f} s, "
-          f"{d['cached_tokens']}/{d['prompt_tokens']} "
-          f"cached; Redis state bytes for the conversation: {state_bytes}")  # fmt: skip
+    a = parse()
+    gguf, logs = pull_demo(), Path(tempfile.mkdtemp(prefix="sessions-bench-"))
+    out: dict[str, object] = {"args": vars(a), "loadavg_start": loadavg()}
+    print(f"load average {out['loadavg_start']}; server logs in {logs}", flush=True)
+    with private_redis() as url:
+        if a.only in (None, "agent"):
+            out["agent"] = agent = run_agent(gguf, url, logs, a)
+            out["loadavg_agent"] = loadavg()
+        if a.only in (None, "spill"):
+            spill = run_spill(gguf, url, logs, a)
+            out["spill"] = {**spill, "summary": summarize_spill(spill)}
+            out["loadavg_spill"] = loadavg()
+    if "agent" in out:
+        print_agent(agent)
+        print(f"load average after: {out['loadavg_agent']}")
+    if "spill" in out:
+        print_spill(out["spill"]["summary"])  # type: ignore[index]
+        print(f"load average after: {out['loadavg_spill']}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {"turns": rows, "after_restart": d, "redis_state_bytes": state_bytes}
-    (RESULTS / "sessions.json").write_text(json.dumps(out, indent=2))
+    name = "sessions-quick.json" if a.quick else "sessions.json"
+    (RESULTS / name).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

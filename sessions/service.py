@@ -148,9 +148,13 @@ class SessionService:
         assembler = OutputAssembler(writer, parser, splitter)
         if compaction is not None:  # the first output item; `Turn.run` emits its events
             assembler.items.append(compaction)
+        matcher = grammar and self.compiler.matcher(grammar)
+        forced: tuple[list[int], str] = ([], "")
+        if matcher is not None and not assembler.in_reasoning and not params.logprobs:
+            forced = await self.fitter.tokenizing.run(_forced, matcher, self.tokenizer, params)
         return TurnPlan(
-            tenant, response, req.input_items, prompt.ids, params, grammar and self.compiler.matcher(grammar),
-            assembler, req.store, req.conversation_id, fence, ctx.base_version,
+            tenant, response, req.input_items, prompt.ids, params, matcher, assembler, req.store,
+            req.conversation_id, fence, ctx.base_version, *forced,
         )  # fmt: skip
 
     async def _keep_lease(self, lease: tuple[str, str, int]) -> None:
@@ -361,3 +365,10 @@ class _Undo:
 async def collect(events: AsyncIterator[Event]) -> list[Event]:
     """All events of a stream (tests and non-streaming callers of a stream)."""
     return [e async for e in events]
+
+
+def _forced(matcher: Any, tokenizer: Tokenizer, params: SamplingParams) -> tuple[list[int], str]:
+    """The reply's forced first tokens (`XGrammarMatcher.forced_prefix`) and their text as the
+    engine would stream it."""
+    ids: list[int] = matcher.forced_prefix(tokenizer, params.max_tokens - 1)
+    return ids, tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens) if ids else ""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import msgspec
@@ -55,6 +55,8 @@ class TurnPlan:
         response: the response as it starts (`in_progress`), echoing the request.
         input_items: the request's input items (written with the turn).
         prompt_ids: the whole prompt; `base_version`/`fence`: the conversation's, if any.
+        forced_ids: the reply's first tokens when the grammar allows only them (a required
+            call's marker and name): prefilled with the prompt, yet output of the turn.
     """
 
     tenant: str
@@ -68,6 +70,8 @@ class TurnPlan:
     conversation_id: str | None = None
     fence: int | None = None
     base_version: int | None = None
+    forced_ids: list[int] = field(default_factory=list)
+    forced_text: str = ""
 
 
 class Turn:
@@ -94,8 +98,11 @@ class Turn:
     def submit(self) -> None:
         """Add the engine request (raises the engine's overload or context errors, nothing started)."""
         p = self.plan
+        params = p.params
+        if p.forced_ids:
+            params = replace(params, max_tokens=params.max_tokens - len(p.forced_ids))
         self.handle = self.engine.add_request(
-            p.prompt_ids, p.params, request_id=p.response.id, cache_salt=p.tenant, matcher=p.matcher
+            p.prompt_ids + p.forced_ids, params, request_id=p.response.id, cache_salt=p.tenant, matcher=p.matcher
         )
 
     async def run(self) -> Response:
@@ -112,8 +119,10 @@ class Turn:
             await self.writer.item_added(i, item)
             await self.writer.item_done(i, item)
         renew = asyncio.create_task(self._renew()) if p.fence is not None or self._holds_response() else None
-        output_ids: list[int] = []
+        output_ids: list[int] = list(p.forced_ids)
         reasoning_tokens = cached = 0
+        if p.forced_text:
+            await p.assembler.feed(p.forced_text)
         reason: FinishReason | None = None
         error: str | None = None
         try:
@@ -121,7 +130,7 @@ class Turn:
                 if p.assembler.in_reasoning:
                     reasoning_tokens += len(out.token_ids)
                 output_ids += out.token_ids
-                cached = out.cached_tokens
+                cached = min(out.cached_tokens, len(p.prompt_ids))
                 if out.text_delta:
                     await p.assembler.feed(out.text_delta)
                 if out.finish_reason is not None:

@@ -109,6 +109,23 @@ def test_named_function_forces_its_name(gc: GrammarCompiler, fmt: ToolCallFormat
     assert forced.startswith(fmt.render_call("add", "")[: len(fmt.call_begin("add"))])
 
 
+def test_forced_prefix_is_accepted_and_leaves_the_rest_to_the_model(gc: GrammarCompiler) -> None:
+    call = HERMES.render_call("add", ADD)
+    m = _tool_matcher(gc, HERMES, NAMED_ADD, parallel=False)
+    ids = m.forced_prefix(gc.tokenizer, limit=100)
+    text = gc.tokenizer.decode(ids, skip_special_tokens=False)
+    assert len(ids) >= 8 and call.startswith(text) and '"add"' in text, text
+    assert first_rejected(gc, m, call[len(text) :]) is None, "the matcher is past the forced tokens"
+    assert _allowed(m, gc.stop_token_ids[0])
+    assert len(_tool_matcher(gc, HERMES, NAMED_ADD).forced_prefix(gc.tokenizer, limit=3)) == 3
+    assert _tool_matcher(gc, HERMES, "auto").forced_prefix(gc.tokenizer, limit=100) == [], "text or a call"
+    two = _tool_matcher(gc, HERMES, "required")  # two tools: the marker is forced, not a name
+    text = gc.tokenizer.decode(two.forced_prefix(gc.tokenizer, limit=100), skip_special_tokens=False)
+    call = HERMES.render_call("get_weather", WEATHER)
+    assert "<tool_call>" in text and call.startswith(text), text
+    assert first_rejected(gc, two, call[len(text) :]) is None
+
+
 def test_for_request_picks_the_grammar(gc: GrammarCompiler) -> None:
     rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMAS["enums"], "strict": True}}
     assert gc.for_request(rf) is gc.json_schema(SCHEMAS["enums"]), "compiled grammars are cached"

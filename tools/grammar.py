@@ -216,6 +216,25 @@ class XGrammarMatcher(Matcher):
     def is_terminated(self) -> bool:
         return bool(self.xgr.is_terminated())
 
+    def forced_prefix(self, tokenizer: Tokenizer, limit: int) -> list[int]:
+        """The tokens every reply must start with from here (xgrammar's jump-forward string, such
+        as a required call's marker and name), accepted into this matcher, so that a caller can
+        prefill them with the prompt instead of decoding them one step each. The string's last
+        token is left to the model (how it tokenizes may depend on what follows); at most `limit`
+        tokens; [] when nothing is forced or the tokens do not fit the grammar.
+        """
+        text = self.xgr.find_jump_forward_string() if limit > 0 else ""
+        if not text:
+            return []
+        ids = list(tokenizer.hf.encode(text, add_special_tokens=False))[:-1][:limit]
+        if not ids or not text.startswith(tokenizer.decode(ids, skip_special_tokens=False)):
+            return []
+        for n, token in enumerate(ids):
+            if not self.xgr.accept_token(token):
+                self.xgr.rollback(n)
+                return []
+        return ids
+
 
 def _where(reply: OutputFormat) -> str:
     where = reply.schema_param or reply.param
