@@ -3,7 +3,8 @@
 A tenant may hold at most `--max-queued-per-tenant` (default half of `--max-queued`) requests
 waiting, that is added to the engine and not yet producing tokens; one more is refused as the
 engine's overload is, 429 with `Retry-After` and `x-should-retry: true`, so one busy tenant
-cannot fill the whole queue. Background jobs wait in Redis and do not count.
+cannot fill the whole queue. Chat requests and foreground responses (`sessions.waiting`) count;
+background jobs wait in Redis and do not.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from litestar.openapi import ResponseSpec
 from api.app import ready_guard
 from api.auth import tenant
 from api.errors import ErrorSpec, register
+from api.limits import tenant_queue
 from api.metrics import METRICS, measured_events
 from api.schemas import Compacted, Deleted, ErrorBody, ItemList
 from api.sse import sse_response
@@ -152,6 +153,7 @@ def setup(state: ServerState) -> None:
         name = o.served_model_name or state.loaded.source.name
         config = ServiceConfig(model=name, max_output_tokens=o.max_output_tokens)
         svc = state.extras["sessions"] = SessionService(state.engine, store, tok, state.grammar, fmt, config)
+        svc.waiting = tenant_queue(state)  # foreground responses count as their tenant's waiting requests
         if o.background_workers:
             workers = state.extras["background"] = BackgroundWorkers(svc, o.background_workers)
             state.extras["workers"] = asyncio.create_task(workers.run(), name="background-workers")

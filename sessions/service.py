@@ -38,6 +38,7 @@ from sessions.recovery import settle
 from sessions.requests import CreateResponseBody, InvalidParam, ResponseRequest, decode_request, sampling_params
 from sessions.store import SessionStore
 from sessions.turn import Turn, TurnPlan
+from sessions.waiting import WaitingGate, WaitingPlace
 from tools.calls import ToolCallParser
 from tools.constraints import parse_output_format
 from tools.formats import ToolCallFormat, needs_special_tokens
@@ -67,6 +68,7 @@ class SessionService:
         self.tool_format = tool_format
         self.config = config or ServiceConfig()
         self.reasoning = uses_reasoning(tokenizer.chat_template)
+        self.waiting: WaitingGate | None = None  # the server's per-tenant count of waiting requests
         # a call marker that is a special token (Mistral's) must reach the call parser
         self.keep_special = needs_special_tokens(tool_format, tokenizer)
         self.running: dict[str, Turn] = {}
@@ -89,6 +91,7 @@ class SessionService:
         req = request if isinstance(request, ResponseRequest) else decode_request(request)
         check_model(req.body.model, self.config.model, required=False)
         undo = _Undo(self.store, tenant)
+        turn: Turn | None = None
         if idempotency_key is not None and req.store:
             first = await undo.bind(idempotency_key)
             if first is not None:
@@ -102,12 +105,15 @@ class SessionService:
             if req.background:
                 return await self._enqueue(plan, undo, req.stream)
             turn = Turn(self.engine, self.store, plan, plan.assembler.writer, self.config.lease_renew_s)
+            turn.waiting = WaitingPlace(self.waiting, tenant)  # the tenant's 429 before any write
             if plan.store:  # retrievable while it runs, `failed` if its server dies (`sessions.recovery`)
                 if plan.conversation_id is None:
                     await self.store.responses.hold(plan.response.id)
                 await self.store.responses.save(tenant, plan.response)
             turn.submit()
         except BaseException:
+            if turn is not None:
+                turn.waiting.release()
             await undo.run()
             raise
         return await self._start(turn, req.stream)
@@ -174,7 +180,12 @@ class SessionService:
             turn.writer.sink = events.sink
         task = turn.task = events.start().task
         assert task is not None
-        task.add_done_callback(lambda _: self.running.pop(turn.id, None))
+
+        def done(_: object) -> None:  # also a task cancelled before it ran
+            self.running.pop(turn.id, None)
+            turn.waiting.release()
+
+        task.add_done_callback(done)
         if stream:
             return events
         try:

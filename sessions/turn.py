@@ -41,6 +41,7 @@ from sessions.models import (
 )
 from sessions.output import OutputAssembler
 from sessions.store import SessionStore
+from sessions.waiting import WaitingPlace
 
 log = logging.getLogger("longctx.sessions")
 
@@ -83,6 +84,7 @@ class Turn:
         self.stopped: StopWhy | None = None
         self.result: Response | None = None
         self.task: asyncio.Task[Response] | None = None  # set by whoever runs it as a task
+        self.waiting = WaitingPlace(None, plan.tenant)  # its tenant's waiting place, until its first output
 
     @property
     def id(self) -> str:
@@ -127,6 +129,7 @@ class Turn:
         error: str | None = None
         try:
             async for out in handle:
+                self.waiting.release()
                 if p.assembler.in_reasoning:
                     reasoning_tokens += len(out.token_ids)
                 output_ids += out.token_ids
@@ -136,6 +139,7 @@ class Turn:
                 if out.finish_reason is not None:
                     reason, error = out.finish_reason, out.error
         finally:
+            self.waiting.release()
             if renew is not None:
                 renew.cancel()
             if reason is None:  # we were cancelled: the engine must not run on

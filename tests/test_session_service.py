@@ -293,3 +293,55 @@ def test_lease_renewed_while_generating(engine: Engine, target: tuple[str, str],
             await store.close()
 
     asyncio.run(main())
+
+
+class CountingGate:
+    """A per-tenant waiting gate (the server's `TenantQueue` contract) that records its use and
+    refuses past `limit`."""
+
+    def __init__(self, limit: int):
+        self.limit, self.waiting, self.entered = limit, 0, 0
+
+    def enter(self, tenant: str) -> None:
+        if self.waiting >= self.limit:
+            raise RequestInProgress("the tenant's waiting requests are at the limit")
+        self.waiting += 1
+        self.entered += 1
+
+    def leave(self, tenant: str) -> None:
+        self.waiting -= 1
+        assert self.waiting >= 0
+
+
+def test_foreground_turns_hold_a_waiting_place_until_their_first_output(run: Run, target: tuple[str, str]) -> None:
+    """A foreground response takes its tenant's waiting place before anything is written, and gives
+    it back on every path: completed, streamed, a client that leaves, refused by the engine."""
+
+    async def body(svc: SessionService) -> None:
+        gate = svc.waiting = CountingGate(1)
+        try:
+            await svc.create(TENANT, {"input": QUESTIONS[0], **GREEDY})
+            stream = await svc.create(TENANT, {"input": QUESTIONS[1], "stream": True, **GREEDY})
+            assert isinstance(stream, EventStream)
+            async for event in stream:
+                if event["type"] == "response.output_text.delta":
+                    assert gate.waiting == 0  # given back at the first output
+                    break
+            await stream.aclose()
+            assert stream.task is not None
+            await stream.task
+            assert gate.waiting == 0 and gate.entered == 2
+            gate.limit = 0  # the tenant is at its limit: refused before any write
+            conv = (await svc.store.conversations.create(TENANT)).conversation.id
+            before = dump(target)
+            with pytest.raises(RequestInProgress):
+                await svc.create(TENANT, {"conversation": conv, "input": QUESTIONS[2], **GREEDY})
+            assert dump(target) == before and gate.waiting == 0
+            gate.limit = 1
+            with pytest.raises(InvalidParam):  # refused by a check: no place left taken
+                await svc.create(TENANT, {"input": QUESTIONS[2], "max_output_tokens": 10**9})
+            assert gate.waiting == 0
+        finally:
+            svc.waiting = None
+
+    run(body)
