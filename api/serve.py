@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
+import psutil
 import uvicorn
 
 from api import auth, limits
@@ -221,7 +222,11 @@ class Startup:
         total = time.perf_counter() - state.started_at
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in state.phase_seconds.items())
         url = f"http://{self.args.host}:{self.args.port}/v1"
-        log.info("ready in %.2fs (%s): serving %s at %s", total, phases, state.options.served_model_name, url)
+        since_start = time.time() - psutil.Process().create_time()  # the imports included
+        log.info(
+            "ready in %.2fs, %.1fs after the process started (%s): serving %s at %s",
+            total, since_start, phases, state.options.served_model_name, url,
+        )  # fmt: skip
 
     def release(self) -> None:
         for instance in reversed(self.managed):
