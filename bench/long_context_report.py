@@ -71,6 +71,11 @@ def table(results: dict[str, Any]) -> str:
             f"prefill chunk {m['chunk']} at {_k(m['context'])}, {m['path']:>7}: peak RSS +{m['peak_growth_mb']:.0f} MB "
             f"beyond the gathered K/V (a dense mask alone: {m['dense_mask_mb']:.0f} MB), {m['seconds']:.2f} s"
         )
+    serve = results.get("serve")
+    if serve:
+        from bench.long_context_serve import lines as serve_lines
+
+        lines += [f"serve failed: {serve['error']}"] if "error" in serve else serve_lines(serve)
     lines.append(f"load average before {results['loadavg_before']}, after {results['loadavg_after']}")
     return "\n".join(lines)
 
