@@ -133,6 +133,9 @@ def report(results: dict[str, Any], results_dir: Path, quick: bool) -> None:
     results_dir.mkdir(parents=True, exist_ok=True)
     stem = f"long_context{'_quick' if quick else ''}_{time.strftime('%Y%m%d-%H%M%S')}"
     (results_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    if not series:  # a run of the serve or memory part alone leaves the plot as it is
+        print(f"wrote {results_dir / stem}.json")
+        return
     plot = results_dir / f"long_context{'_quick' if quick else ''}.svg"  # the latest run's, under one name
     plot.write_text(svg(series))
     print(f"wrote {results_dir / stem}.json and {plot}")
