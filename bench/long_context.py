@@ -1,6 +1,6 @@
 """Long contexts through the engine: one session grown to 1,048,576 tokens, step cost by context.
 
-Three parts, each in its own subprocess (its own peak RSS):
+Parts, each in its own subprocess (its own peak RSS):
 
 - `windowed`: a tiny random Mistral (every layer windowed, bf16, 256 B of KV per token) grown
   as one conversation: turns whose prompts extend the previous one (1k, 8k, 64k, 256k, 1M), each
@@ -13,13 +13,17 @@ Three parts, each in its own subprocess (its own peak RSS):
   model runner over 1M tokens of random K/V (prefilling 1M tokens of full attention costs
   hours on a CPU; `--full-contexts ...,1048576` does it through the engine instead).
 - `demo`: the demo model (bf16) at 1k / 4k / 8k.
+- `serve` (`--serve`): a windowed tiny model behind `longctx serve`, one conversation grown to
+  1M tokens by `responses.create` turns of large `input_text` items, then the server restarted on
+  the same Redis: the next turn's cached tokens and the stored items
+  (`bench/long_context_serve.py`).
 - `memory`: peak memory of one 2k-token prefill chunk against 256k cached tokens, by attention
   path (`bench/long_context_memory.py`).
 
 Prints a table, writes JSON and an SVG plot (decode step time against context) to
 bench/results/. `--quick` stops at 64k (windowed) and 32k (full), with fewer decode steps.
 
-    python bench/long_context.py [--quick] [--parts windowed,full,demo] [--kv-redis-url URL]
+    python bench/long_context.py [--quick] [--parts windowed,full,demo,memory] [--kv-redis-url URL] [--serve]
 """
 
 from __future__ import annotations
@@ -155,6 +159,14 @@ def grow(engine: Any, vocab: int, contexts: list[int], steps: int, last_steps: i
     return rows
 
 
+def delete_prefix(url: str, prefix: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    return sum(client.delete(*keys[i : i + 500]) for i in range(0, len(keys), 500))
+
+
 def engine_for(model: Any, tokens: int, args: argparse.Namespace, redis_url: str | None = None) -> Any:
     from engine.engine import Engine, EngineConfig
 
@@ -201,6 +213,8 @@ def part_tiny(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         out["redis_pages_dropped"] = tier.counters.dropped
         out["redis_bytes_written"] = tier.counters.written * tier.value_bytes  # payload + header
     engine.shutdown()
+    if tier is not None:  # this run's keys only (its own prefix); never a flush
+        out["redis_keys_deleted"] = delete_prefix(args.kv_redis_url, engine.config.kv_redis_prefix + ":")
     if kind == "full":
         out["runner_decode"] = [runner_decode(model, n, args) for n in (1024, 1 << 20)]
     return out
@@ -269,9 +283,22 @@ def part_memory(context: int = 1 << 18, chunk: int = 2048) -> dict[str, Any]:
     return {"rows": rows}
 
 
+def part_serve(args: argparse.Namespace) -> dict[str, Any]:
+    """`bench/long_context_serve.py` in its own process (it starts and restarts `longctx serve`)."""
+    cmd = [sys.executable, str(ROOT / "bench" / "long_context_serve.py"), "--threads", str(args.threads)]
+    cmd += ["--tokens", str(args.serve_tokens), "--turn-tokens", str(args.serve_turn_tokens)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}"}
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
 def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
     if part == "memory":
         return part_memory()
+    if part == "serve":
+        return part_serve(args)
     cmd = [sys.executable, __file__, "--part", part, "--threads", str(args.threads)]
     cmd += ["--windowed-contexts", args.windowed_contexts, "--full-contexts", args.full_contexts]
     cmd += ["--quick"] if args.quick else []
@@ -293,8 +320,13 @@ def main() -> None:
     p.add_argument("--kv-redis-url", default=None)
     p.add_argument("--windowed-contexts", default=None)
     p.add_argument("--full-contexts", default=None)
+    p.add_argument("--serve", action="store_true", help="also grow a conversation through `longctx serve`")
+    p.add_argument("--serve-tokens", type=int, default=1 << 20, help="context the served conversation grows to")
+    p.add_argument("--serve-turn-tokens", type=int, default=32768, help="tokens of each turn's input_text item")
     p.add_argument("--part", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.serve and "serve" not in args.parts.split(","):
+        args.parts += ",serve"
     if args.windowed_contexts is None:
         args.windowed_contexts = ",".join(str(n) for n in (WINDOWED[:3] if args.quick else WINDOWED))
     if args.full_contexts is None:

@@ -71,6 +71,11 @@ def table(results: dict[str, Any]) -> str:
             f"prefill chunk {m['chunk']} at {_k(m['context'])}, {m['path']:>7}: peak RSS +{m['peak_growth_mb']:.0f} MB "
             f"beyond the gathered K/V (a dense mask alone: {m['dense_mask_mb']:.0f} MB), {m['seconds']:.2f} s"
         )
+    serve = results.get("serve")
+    if serve:
+        from bench.long_context_serve import lines as serve_lines
+
+        lines += [f"serve failed: {serve['error']}"] if "error" in serve else serve_lines(serve)
     lines.append(f"load average before {results['loadavg_before']}, after {results['loadavg_after']}")
     return "\n".join(lines)
 
@@ -128,6 +133,9 @@ def report(results: dict[str, Any], results_dir: Path, quick: bool) -> None:
     results_dir.mkdir(parents=True, exist_ok=True)
     stem = f"long_context{'_quick' if quick else ''}_{time.strftime('%Y%m%d-%H%M%S')}"
     (results_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    if not series:  # a run of the serve or memory part alone leaves the plot as it is
+        print(f"wrote {results_dir / stem}.json")
+        return
     plot = results_dir / f"long_context{'_quick' if quick else ''}.svg"  # the latest run's, under one name
     plot.write_text(svg(series))
     print(f"wrote {results_dir / stem}.json and {plot}")
