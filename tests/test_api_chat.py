@@ -250,17 +250,23 @@ def test_waiting_slot_released_when_the_client_leaves_early(server: Server, clie
     place and stop their engine request: the tenant is served again, nothing keeps running."""
     body = {"model": model, "messages": QUESTION, "max_tokens": 1000, "temperature": 0, "stream": True}
     headers = {"Authorization": "Bearer key-a"}
+
+    def wait_idle() -> None:
+        """Nothing waiting for tenant-a, nothing running or queued (a leaked place never clears)."""
+        deadline = time.monotonic() + 60
+        while True:
+            m = _samples(httpx.get(server.url + "/metrics", timeout=10).text)
+            busy = m.get('longctx:tenant_waiting_requests{tenant="tenant-a"}', 0) + m["longctx:num_requests_running"]
+            if busy == 0 and m["longctx:num_requests_queued"] == 0:
+                return
+            assert time.monotonic() < deadline, m
+            time.sleep(0.2)
+
     for _ in range(3):
+        wait_idle()  # the previous stream's abort reaches the engine thread asynchronously
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
             assert r.status_code == 200  # the headers only: the client leaves before any token
-    deadline = time.monotonic() + 60
-    while True:
-        m = _samples(httpx.get(server.url + "/metrics", timeout=10).text)
-        busy = m.get('longctx:tenant_waiting_requests{tenant="tenant-a"}', 0) + m["longctx:num_requests_running"]
-        if busy == 0 and m["longctx:num_requests_queued"] == 0:
-            break
-        assert time.monotonic() < deadline, m
-        time.sleep(0.2)
+    wait_idle()
     done = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=2)  # type: ignore[arg-type]
     assert done.choices[0].message.content is not None
 

@@ -103,7 +103,8 @@ def kv_pages(url: str, prefix: str) -> int:
 def test_background_and_kv_pages_survive_a_killed_server(demo_gguf: Path, tmp_path: Path) -> None:
     """A background response is finished by the next server and its events resume after N; the
     next turn of a ~3k-token conversation finds its KV pages in Redis (the state Redis here)."""
-    args = ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "1")
+    args = ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "1",
+            "--served-model-name", "demo")  # fmt: skip
     prefix = unique_prefix()
     long_text = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(160))
     with shared_redis() as (url, _):

@@ -29,7 +29,7 @@ from tests.redis_server import shared_redis
 from tests.server import ROOT, Server, free_port, http_get, running_server, serve_command, start_server
 
 pytestmark = pytest.mark.slow
-TINY_ARGS = ("--dtype", "float32", "--kv-cache-bytes", "4MiB", "--threads", "1")
+TINY_ARGS = ("--dtype", "float32", "--kv-cache-bytes", "4MiB", "--threads", "1", "--served-model-name", "m")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from tests.server import TEST_KEY, Server, keys_args, start_server
 GRACE_S = 6  # foreground turns are stopped 3 s before its end
 ARGS = (
     "--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "1",
-    "--shutdown-grace-s", str(GRACE_S),
+    "--shutdown-grace-s", str(GRACE_S), "--served-model-name", "demo",
 )  # fmt: skip
 COUNT = "Count from 1 to 600, separated by commas."
 NOTES = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(30))
