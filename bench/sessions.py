@@ -29,11 +29,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# bench/ goes last on the import path: bench/http.py would otherwise shadow the standard library's
-# `http` package (urllib needs it).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
-sys.path.append(str(ROOT / "bench"))
+sys.path.insert(1, str(ROOT / "bench"))
 RESULTS = ROOT / "bench" / "results"
 
 from sess_agent import print_agent, run_agent  # noqa: E402

@@ -8,6 +8,7 @@ explicit table of what may import what. A failure names the importing module and
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,3 +133,16 @@ def test_the_rules_catch_a_bad_import() -> None:
     assert _violation("engine.loading.weights", "engine.distributed.parallel") is None
     assert _violation("engine.engine", "engine.model.model") is None
     assert _violation("api.cli", "engine.engine") is None
+
+
+def test_no_module_shadows_the_standard_library() -> None:
+    """`python bench/x.py` puts bench/ first on the import path, so a `bench/http.py` there once hid
+    the standard library's `http` from torch's imports; no script folder may use such a name."""
+    root = Path(__file__).resolve().parent.parent
+    clashes = [
+        str(f.relative_to(root))
+        for folder in ("bench", "tests", "api", "sessions", "engine", "kvstore", "tools")
+        for f in (root / folder).rglob("*.py")
+        if f.stem in sys.stdlib_module_names
+    ]
+    assert not clashes, f"these files shadow standard-library modules: {clashes}"

@@ -11,7 +11,7 @@ the load average it prints beside the numbers.
 
 Targets: at 16 streams HTTP aggregate >= 90% of in-process; at one stream TTFT overhead <= 25 ms p50.
 
-    python bench/http.py [--streams 1,4,16] [--tokens 64] [--rounds 3]
+    python bench/http_serving.py [--streams 1,4,16] [--tokens 64] [--rounds 3]
 """
 
 from __future__ import annotations
