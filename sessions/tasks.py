@@ -97,13 +97,24 @@ class BackgroundWorkers:
             await self._hand_back(list(self._jobs.values()))
 
     async def _hand_back(self, jobs: list[Job]) -> None:
+        """Queue unfinished jobs again; a job whose response is already final (stopped between
+        its commit and its ack) is acked instead, so no worker claims it again."""
         for job in jobs:
             try:
-                await self.store.jobs.requeue(job)
-                log.info("background response %s handed back to the queue", job.response_id)
+                if await self._is_final(job):
+                    await self.store.jobs.ack(job.id)
+                else:
+                    await self.store.jobs.requeue(job)
+                    log.info("background response %s handed back to the queue", job.response_id)
             except StoreError as e:  # left pending: taken over once idle for claim_idle_s
                 log.warning("could not hand back background job %s: %s", job.response_id, e)
             self._jobs.pop(job.id, None)
+
+    async def _is_final(self, job: Job) -> bool:
+        try:
+            return (await self.store.responses.get(job.tenant, job.response_id)).terminal
+        except NotFound:  # deleted meanwhile: nothing to run
+            return True
 
     async def _claim_new(self, consumer: str) -> None:
         while self.claiming:
