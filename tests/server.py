@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.redis_server import delete_prefix, unique_prefix
+from tests.redis_server import delete_prefix, shared_redis, unique_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_KEY, TEST_TENANT = "sk-test-a", "tenant-a"  # the key clients of `keys_args` servers use
@@ -150,3 +150,18 @@ def running_server(
         if redis_url:
             delete_prefix(redis_url, server.prefix)
         assert code == 0, f"server exited with {code} after SIGTERM:\n{server.log_tail()}"
+
+
+def demo_args(kv_cache_bytes: str, background_workers: int) -> tuple[str, ...]:
+    """`serve` flags of the session-layer tests on the demo model: float32 (texts are compared), 2
+    threads, and the name `demo` their clients ask for."""
+    return ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", kv_cache_bytes,
+            "--background-workers", str(background_workers), "--served-model-name", "demo")  # fmt: skip
+
+
+@contextmanager
+def keyed_server(model: str | Path, *args: str, log_dir: Path) -> Iterator[Server]:
+    """`running_server` on the shared test Redis, behind a keys file (clients use `TEST_KEY`)."""
+    with shared_redis() as (url, _), running_server(model, *args, *keys_args(log_dir), log=log_dir / "serve.log",
+                                                    redis_url=url) as server:  # fmt: skip
+        yield server

@@ -13,21 +13,9 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.redis_server import shared_redis
-from tests.server import TEST_KEY, Server, keys_args, running_server
+from tests.server import TEST_KEY, Server, demo_args, keyed_server
 
-ARGS = (
-    "--dtype",
-    "float32",
-    "--threads",
-    "2",
-    "--kv-cache-bytes",
-    "256MiB",
-    "--background-workers",
-    "1",
-    "--served-model-name",
-    "demo",
-)
+ARGS = demo_args("256MiB", 1)
 GREEDY = {"temperature": 0, "max_output_tokens": 24}
 WEATHER = {
     "type": "function", "name": "get_weather", "strict": True,
@@ -38,11 +26,7 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def server(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("logs") / "serve.log"
-    with (
-        shared_redis() as (url, _),
-        running_server(demo_gguf, *ARGS, *keys_args(log.parent), log=log, redis_url=url) as s,
-    ):
+    with keyed_server(demo_gguf, *ARGS, log_dir=tmp_path_factory.mktemp("logs")) as s:
         yield s
 
 

@@ -16,21 +16,9 @@ import openai
 import pytest
 
 from sessions.compaction import SUMMARY_MAX_TOKENS, SUMMARY_PROMPT
-from tests.redis_server import shared_redis
-from tests.server import TEST_KEY, Server, keys_args, running_server
+from tests.server import TEST_KEY, Server, demo_args, keyed_server
 
-ARGS = (
-    "--dtype",
-    "float32",
-    "--threads",
-    "2",
-    "--kv-cache-bytes",
-    "64MiB",
-    "--background-workers",
-    "0",
-    "--served-model-name",
-    "demo",
-)
+ARGS = demo_args("64MiB", 0)
 GREEDY: dict[str, Any] = {"temperature": 0, "max_output_tokens": 12}
 STORY = (
     "My name is Ada and I keep bees on a farm near Lyon. Last spring we had forty hives, and the clover "
@@ -41,11 +29,7 @@ STORY = (
 
 @pytest.fixture(scope="module")
 def server(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("logs") / "serve.log"
-    with (
-        shared_redis() as (url, _),
-        running_server(demo_gguf, *ARGS, *keys_args(log.parent), log=log, redis_url=url) as s,
-    ):
+    with keyed_server(demo_gguf, *ARGS, log_dir=tmp_path_factory.mktemp("logs")) as s:
         yield s
 
 

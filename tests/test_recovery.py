@@ -12,20 +12,9 @@ from pathlib import Path
 import openai
 
 from tests.redis_server import delete_prefix, shared_redis, unique_prefix
-from tests.server import TEST_KEY, keys_args, start_server
+from tests.server import TEST_KEY, demo_args, keys_args, start_server
 
-ARGS = (
-    "--dtype",
-    "float32",
-    "--threads",
-    "2",
-    "--kv-cache-bytes",
-    "64MiB",
-    "--background-workers",
-    "0",
-    "--served-model-name",
-    "demo",
-)
+ARGS = demo_args("64MiB", 0)
 LEASE_S = 30
 
 
@@ -103,8 +92,7 @@ def kv_pages(url: str, prefix: str) -> int:
 def test_background_and_kv_pages_survive_a_killed_server(demo_gguf: Path, tmp_path: Path) -> None:
     """A background response is finished by the next server and its events resume after N; the
     next turn of a ~3k-token conversation finds its KV pages in Redis (the state Redis here)."""
-    args = ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "1",
-            "--served-model-name", "demo")  # fmt: skip
+    args = demo_args("256MiB", 1)
     prefix = unique_prefix()
     long_text = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(160))
     with shared_redis() as (url, _):
