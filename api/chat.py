@@ -29,7 +29,7 @@ from api.app import ready_guard
 from api.auth import tenant as request_tenant
 from api.chat_reply import ChatReply, token_logprobs
 from api.errors import ErrorSpec, register
-from api.limits import WaitingSlot, tenant_queue
+from api.limits import tenant_queue
 from api.metrics import METRICS
 from api.responses import ERRORS, service
 from api.schemas import ChatCompletion, ChatCompletionBody, Model, ModelList
@@ -43,6 +43,7 @@ from sessions.reasoning import ReasoningSplitter, opens_in_reasoning
 from sessions.render import encode, render_text
 from sessions.requests import sampling_params
 from sessions.service import SessionService
+from sessions.waiting import WaitingPlace
 from tools.calls import ToolCallParser
 from tools.schema import parse_tools
 
@@ -213,7 +214,7 @@ def _usage(prompt: int, cached: int, output: int, reasoning: int) -> dict[str, A
     }  # fmt: skip
 
 
-def submit(svc: SessionService, p: ChatPlan, slot: WaitingSlot) -> RequestHandle:
+def submit(svc: SessionService, p: ChatPlan, slot: WaitingPlace) -> RequestHandle:
     """Add the engine request before any byte is sent, so that refusals (429, 400) are plain errors.
     It holds the tenant's waiting `slot` until `run` sees its first output (released on failure)."""
     matcher = svc.compiler.matcher(p.grammar) if p.grammar is not None else None
@@ -224,7 +225,7 @@ def submit(svc: SessionService, p: ChatPlan, slot: WaitingSlot) -> RequestHandle
         raise
 
 
-def closer(handle: RequestHandle, slot: WaitingSlot) -> Callable[[], None]:
+def closer(handle: RequestHandle, slot: WaitingPlace) -> Callable[[], None]:
     """What ends a request whose reader is gone, whether or not `run` ever started: the slot is
     released and an unfinished engine request aborted."""
 
@@ -237,7 +238,7 @@ def closer(handle: RequestHandle, slot: WaitingSlot) -> Callable[[], None]:
 
 
 async def run(
-    svc: SessionService, p: ChatPlan, tenant: str, handle: RequestHandle, slot: WaitingSlot
+    svc: SessionService, p: ChatPlan, tenant: str, handle: RequestHandle, slot: WaitingPlace
 ) -> AsyncGenerator[dict[str, Any], None]:
     """The reply as chunk bodies; the last one has `finish_reason` (and `usage`, `message`, logprobs)."""
     output = cached = reasoning = 0
@@ -322,7 +323,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     tenant = request_tenant(request)
     p = await plan(svc, data.given())
     p.started = started
-    slot = WaitingSlot(tenant_queue(request.app.state.server), tenant)
+    slot = WaitingPlace(tenant_queue(request.app.state.server), tenant)
     handle = submit(svc, p, slot)
     gen = run(svc, p, tenant, handle, slot)
     if p.stream:

@@ -62,24 +62,6 @@ class TenantQueue:
             return dict(self._waiting)
 
 
-class WaitingSlot:
-    """One request's place among its tenant's waiting ones, taken before its engine request is
-    added and held until its first output. `release` is idempotent, so every path may call it:
-    the first output, an error, the end of the request, a client that leaves before the stream
-    started. Used from the event loop only."""
-
-    def __init__(self, queue: TenantQueue | None, tenant: str):
-        self.queue, self.tenant, self.held = queue, tenant, False
-        if queue is not None:
-            queue.enter(tenant)  # TenantOverloaded: nothing held
-            self.held = True
-
-    def release(self) -> None:
-        if self.held and self.queue is not None:
-            self.held = False
-            self.queue.leave(self.tenant)
-
-
 def default_per_tenant(max_queued: int, asked: int | None) -> int:
     """`--max-queued-per-tenant`, or half of `--max-queued` (at least 1)."""
     return asked if asked is not None else max(1, max_queued // 2)
