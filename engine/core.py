@@ -12,6 +12,7 @@ none is left hanging.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -298,8 +299,10 @@ class EngineCore:
 
     def snapshot(self) -> EngineSnapshot:
         """The load as of the last step (any thread): an immutable copy the engine thread replaces
-        after each step, so no caller reads the scheduler's lists while they change."""
-        return self._snapshot
+        after each step, so no caller reads the scheduler's lists while they change. `queued` is
+        read live: it is what `add_request` checks, and an idle engine publishes no step while a
+        request added and aborted at once still counts until the engine thread drains it."""
+        return dataclasses.replace(self._snapshot, queued=self.admission.queued)
 
     def _on_device(self, hashes: list[bytes]) -> int:
         n = 0

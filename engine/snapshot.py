@@ -13,7 +13,7 @@ class EngineSnapshot:
     Attributes:
         running, waiting, loading: requests in each scheduler state at the end of the step.
         queued: requests added and not yet running or finished (what `max_queued` bounds),
-            counting those still in the inbox.
+            counting those still in the inbox; `Engine.snapshot` reads it live.
         free_pages, total_pages: device KV pages (free ones include cached, revivable pages).
         preemptions: requests preempted so far.
         prompt_tokens_computed, generated_tokens, finished, steps: counters since start.
