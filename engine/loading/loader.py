@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from engine.distributed.parallel import SINGLE, ParallelContext
+from engine.loading.calibrate import collect, text_ids
 from engine.loading.gguf_cache import GGUFCache, TeeSource
 from engine.loading.model_source import ModelPath, resolve_model
 from engine.loading.safetensors_file import CheckpointError
@@ -18,7 +19,7 @@ from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import LoadStats, SafetensorsSource, TensorCallback, TensorSource, load_model
 from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
-from engine.model.quant import QuantConfig
+from engine.model.quant import Int4Blocks, QuantConfig
 
 log = logging.getLogger("longctx.loader")
 
@@ -135,6 +136,7 @@ def load(
     quantization: str = "none",
     group_size: int = 32,
     before_tokenizer: Callable[[], object] | None = None,
+    calibrate: bool = True,
 ) -> LoadedModel:
     """Resolve, read config, load weights and tokenizer. Phases are timed into the stats.
 
@@ -150,6 +152,12 @@ def load(
         before_tokenizer: called (on the loading thread) once the weights are in, before the
             tokenizer loads: `serve` waits there until its own thread has imported transformers
             (importing it from two threads at once fails).
+        calibrate: int4 quantizing float weights (any group but a GGUF's own 32) first runs the
+            unquantized model over a calibration text and chooses the codes for the least output
+            error (`engine/loading/calibrate.py`). That pass holds the whole float model once
+            (every rank of a sharded load holds all of it), so peak memory is the float model
+            rather than the quantized one; False skips it (plain rounding, 75% top-1 agreement
+            instead of 92% on the demo model at group 128).
     """
     quant = QuantConfig(quantization, group_size)
     dev = torch.device(device)
@@ -166,6 +174,17 @@ def load(
         gguf_cache.save_config(config)
     torch_dtype = resolve_dtype(dtype, config, source, dev)
     t_config = time.perf_counter() - t0
+    calibration, tokenizer, t_calibrate = None, None, 0.0
+    if calibrate and quant.mode == "int4" and not (source.kind == "gguf" and quant.group_size == Int4Blocks.GROUP):
+        t1 = time.perf_counter()
+        if before_tokenizer is not None:
+            before_tokenizer()
+            before_tokenizer = None
+        tokenizer = load_tokenizer(source, config.eos_token_ids, gguf_cache)
+        float_model, _ = load_model(config, tensors, torch_dtype, dev, progress=progress)
+        calibration = collect(float_model, text_ids(tokenizer), quant.group_size)
+        del float_model
+        t_calibrate = time.perf_counter() - t1
     model, stats = load_model(
         config,
         tensors,
@@ -175,7 +194,10 @@ def load(
         parallel=parallel,
         on_tensor=on_tensor,
         quantization=quant,
+        calibration=calibration,
     )
+    if calibration is not None:
+        stats.phases["calibrate"] = t_calibrate
     t1 = time.perf_counter()
     if weights_cache is not None:
         _cache_weights(weights_cache, tensors, torch_dtype, stats)
@@ -184,7 +206,8 @@ def load(
     if before_tokenizer is not None:
         before_tokenizer()
         t1 = time.perf_counter()
-    tokenizer = load_tokenizer(source, config.eos_token_ids, gguf_cache)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(source, config.eos_token_ids, gguf_cache)
     stats.phases = {"resolve+config": t_config, **stats.phases, "tokenizer": time.perf_counter() - t1}
     log.info(
         "model %s (%s, %s%s) ready: %s",

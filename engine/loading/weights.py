@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import xxhash
@@ -36,8 +36,11 @@ from engine.model.layers import OTHER_RANK, ShardIndex
 from engine.model.linear import convert_module, convert_tied_head
 from engine.model.model import CausalLM
 from engine.model.moe import SparseMoE
-from engine.model.quant import NONE, Int4Blocks, QuantConfig, int8_scales
+from engine.model.quant import NONE, Int4Blocks, QuantConfig, int4_group, int8_scales
 from engine.model.tp import SourceSlice
+
+if TYPE_CHECKING:
+    from engine.loading.calibrate import Calibration
 
 log = logging.getLogger("longctx.weights")
 
@@ -157,6 +160,7 @@ def load_weights(
     stats: LoadStats | None = None,
     on_tensor: TensorCallback | None = None,
     convert: QuantConfig | None = None,
+    calibration: Calibration | None = None,
 ) -> LoadStats:
     """Fill `model`'s parameters from `source`. Raises CheckpointError on any mismatch.
 
@@ -167,7 +171,8 @@ def load_weights(
     convert: when given, each linear (and MoE expert stack) is replaced by its packed or
     quantized module as soon as its last tensor is in, and its float weights dropped, so peak
     memory is the converted model plus the parameter being assembled (`engine/model/linear.py`).
-    The fingerprint then includes the quantization."""
+    The fingerprint then includes the quantization. calibration: int4's statistics of each
+    linear's inputs (`engine/loading/calibrate.py`); without it int4 rounds every weight alike."""
     stats = stats or LoadStats()
     t0 = time.perf_counter()
     params = dict(model.named_parameters())
@@ -188,7 +193,7 @@ def load_weights(
     )
     tied = model.config.tie_word_embeddings
     read_s = 0.0
-    converter = None if convert is None else _Converter(model, convert, shard_specs, slices)
+    converter = None if convert is None else _Converter(model, convert, shard_specs, slices, calibration)
     for t in tensors:
         target = mapping(t.name)
         if target == OTHER_RANK:
@@ -273,6 +278,8 @@ def load_weights(
         converter.finish()
         if convert.enabled:
             h.update(convert.fingerprint_tag.encode())
+        if calibration is not None and convert.mode == "int4":
+            h.update(calibration.tag.encode())
     stats.fingerprint = h.hexdigest()
     elapsed = time.perf_counter() - t0
     stats.phases["read"] = stats.phases.get("read", 0.0) + read_s
@@ -290,8 +297,10 @@ class _Converter:
         quant: QuantConfig,
         shard_specs: dict[str, dict[object, ShardIndex]],
         slices: dict[str, dict[object, SourceSlice]],
+        calibration: Calibration | None = None,
     ):
         self.model, self.quant, self.shard_specs, self.slices = model, quant, shard_specs, slices
+        self.calibration = calibration
         self.modules = {
             name: m for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, SparseMoE)) and name
         }
@@ -334,6 +343,15 @@ class _Converter:
             return None
         return entry[0]
 
+    def hessian(self, pname: str, n: int, k: int) -> torch.Tensor | None:
+        """int4's calibration blocks for the input columns of `pname` ([n, k] here) this rank holds."""
+        group = int4_group(n, k, self.quant.group_size)
+        if self.calibration is None or group is None:
+            return None
+        column_dim = 2 if pname.endswith((".w13", ".w2")) else 1
+        ranges = next((s.ranges for s in self.slices.get(pname, {}).values() if s.dim == column_dim), None)
+        return self.calibration.columns(pname, ranges, group)
+
     def params_of(self, pname: str) -> list[str]:
         owner = pname.rpartition(".")[0]
         return [f"{owner}.{n}" for n, _ in self.modules[owner].named_parameters(recurse=False)]
@@ -362,7 +380,7 @@ class _Converter:
             return False
         weight = f"{owner}.weight"
         blocks = self.complete_blocks(weight, self.model.get_parameter(weight) if weight in loaded else None)
-        return convert_module(self.model, owner, self.quant, blocks=blocks)
+        return convert_module(self.model, owner, self.quant, blocks=blocks, hessians=self.hessian)
 
     def finish(self) -> None:
         """Row-parallel int8 linears (every rank, sorted), then the tied head."""
@@ -398,9 +416,11 @@ def load_model(
     parallel: ParallelContext = SINGLE,
     on_tensor: TensorCallback | None = None,
     quantization: QuantConfig = NONE,
+    calibration: Calibration | None = None,
 ) -> tuple[CausalLM, LoadStats]:
     """Build the model (this rank's shard) and load its weights, packing (bf16) or quantizing
-    linears as they complete. Returns (model in eval mode, statistics)."""
+    linears as they complete (int4 against `calibration`'s statistics when given). Returns
+    (model in eval mode, statistics)."""
     stats = LoadStats()
     t0 = time.perf_counter()
     model = build_empty(config, dtype, device, parallel)
@@ -408,7 +428,15 @@ def load_model(
     stats.seconds = stats.phases["build"]
     if quantization.enabled and torch.device(device).type != "cpu":
         raise ValueError(f"--quantization {quantization.mode} runs on CPU only (torch's int8/int4 CPU kernels)")
-    load_weights(model, source, progress=progress, stats=stats, on_tensor=on_tensor, convert=quantization)
+    load_weights(
+        model,
+        source,
+        progress=progress,
+        stats=stats,
+        on_tensor=on_tensor,
+        convert=quantization,
+        calibration=calibration,
+    )
     model.eval()
     log.info("%s: %s", source.description, stats.summary())
     return model, stats

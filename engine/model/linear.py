@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -68,12 +69,14 @@ def make_linear(
     quant: QuantConfig,
     absmax: torch.Tensor | None = None,
     blocks: Int4Blocks | None = None,
+    hessian: torch.Tensor | None = None,
 ) -> nn.Module | None:
     """The fast module for `y = x W^T + b` (weight [out, in]): quantized, prepacked bf16, or
     None when plain `F.linear` is as good (float32, or no oneDNN). blocks: the weight's own 4-bit
-    codes (a GGUF's Q4_0 / Q4_1), which int4 at group 32 takes as they are."""
+    codes (a GGUF's Q4_0 / Q4_1), which int4 at group 32 takes as they are. hessian: int4's
+    calibration statistics for the weight's input columns (`engine/loading/calibrate.py`)."""
     if quant.enabled:
-        return QuantLinear(weight, bias, quant, weight.dtype, absmax, blocks)
+        return QuantLinear(weight, bias, quant, weight.dtype, absmax, blocks, hessian)
     if packing_supported(weight.dtype, weight.device):
         return PackedLinear(weight, bias)
     return None
@@ -85,14 +88,20 @@ def convert_module(
     quant: QuantConfig = NONE,
     absmax: dict[str, torch.Tensor] | None = None,
     blocks: Int4Blocks | None = None,
+    hessians: Callable[[str, int, int], torch.Tensor | None] | None = None,
 ) -> bool:
     """Replace the loaded `nn.Linear` at `name` (or the expert stacks of the `SparseMoE` there)
     by packed or quantized modules, dropping the float weights. Returns whether anything changed.
 
     absmax: per parameter name (`<name>.weight`, `<name>.w2`), the int8 row maxima over the whole
     checkpoint row, for ranks that hold only some of a row's columns. blocks: a linear's weight as
-    4-bit codes (`make_linear`)."""
+    4-bit codes (`make_linear`). hessians: (parameter name, rows, columns held) -> int4's
+    calibration statistics for those columns at the weight's int4 group, or None."""
     absmax = absmax or {}
+
+    def hessian(pname: str, n: int, k: int) -> torch.Tensor | None:
+        return hessians(pname, n, k) if hessians is not None and quant.mode == "int4" else None
+
     module = model.get_submodule(name)
     if isinstance(module, nn.Linear):
         q = NONE if name.endswith(UNQUANTIZED_SUFFIXES) else head_quant(quant) if name == "lm_head" else quant
@@ -102,6 +111,7 @@ def convert_module(
             q,
             absmax.get(f"{name}.weight"),
             blocks,
+            hessian(f"{name}.weight", *module.weight.shape) if q.mode == "int4" else None,
         )
         if new is None:
             return False
@@ -115,8 +125,9 @@ def convert_module(
             if stack is None:
                 continue
             amax = absmax.get(f"{name}.{attr}")
+            h = hessian(f"{name}.{attr}", *stack.shape[1:])
             layers = [
-                make_linear(stack[e].detach(), None, quant, None if amax is None else amax[e])
+                make_linear(stack[e].detach(), None, quant, None if amax is None else amax[e], hessian=h)
                 for e in range(stack.shape[0])
             ]
             if any(x is None for x in layers):

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import int4_calibrated as calib
+
 QUANTIZATIONS = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
 
@@ -96,7 +98,9 @@ def int4_group(n: int, k: int, group_size: int) -> int | None:
     return g if g >= 32 else None
 
 
-def int4_codes(w: torch.Tensor, group: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_codes(
+    w: torch.Tensor, group: int, dtype: torch.dtype = torch.float32, hessian: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (q [N, K] int32 in 0..15, scale_zeros [K/g, N, 2] float32): per group,
     the asymmetric (scale, zero) that most reduces the squared reconstruction error.
 
@@ -105,14 +109,26 @@ def int4_codes(w: torch.Tensor, group: int, dtype: torch.dtype = torch.float32) 
     best scale and zero in closed form; scale and zero fixed: the nearest codes), keeping per
     group whichever was best. Scale and zero are rounded to `dtype` (the kernel takes them in
     the activations' dtype) before the codes are chosen against them: in bf16, rounding the
-    zero after choosing the codes shifts every weight of a group by up to 8 scale ulps."""
+    zero after choosing the codes shifts every weight of a group by up to 8 scale ulps.
+
+    hessian: the calibration's diagonal blocks of `sum x x^T` over w's input columns,
+    [K/B, B, B] with B a multiple of `group`: the codes are then chosen for the least output
+    error instead (`engine/model/int4_calibrated.py`)."""
     N, K = w.shape
+    blocks = factors = weights = None
+    if hessian is not None:
+        blocks = calib.group_blocks(hessian.float(), group)
+        factors, weights = calib.inverse_factors(blocks), calib.importance(blocks)
     q = torch.empty(N, K, dtype=torch.int32, device=w.device)
     sz = torch.empty(K // group, N, 2, dtype=torch.float32, device=w.device)
     for i, c in enumerate(w.split(_CHUNK_ROWS)):
         rows = slice(i * _CHUNK_ROWS, i * _CHUNK_ROWS + c.shape[0])
         g = c.float().view(c.shape[0], K // group, group)
-        codes, scale, zero = _search_int4(g, dtype)
+        if factors is not None:
+            _, scale, zero = _search_int4(g, dtype, weights, calib.CLIPS, calib.ONE_SIDED, calib.ROUNDS)
+            codes = calib.compensated_codes(g, scale, zero, factors)
+        else:
+            codes, scale, zero = _search_int4(g, dtype)
         q[rows] = codes.view(c.shape[0], K).int()
         sz[:, rows, 0] = scale.T
         sz[:, rows, 1] = zero.T
@@ -124,15 +140,27 @@ CLIP_RATIOS = (0.9, 0.8)
 LSQ_ROUNDS = 3
 
 
-def _search_int4(g: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """g [n, G, group] float32 -> (codes [n, G, group] float 0..15, scale [n, G], zero [n, G])."""
+def _search_int4(
+    g: torch.Tensor,
+    dtype: torch.dtype,
+    importance: torch.Tensor | None = None,
+    clips: tuple[float, ...] = CLIP_RATIOS,
+    one_sided: tuple[float, ...] = (),
+    rounds: int = LSQ_ROUNDS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """g [n, G, group] float32 -> (codes [n, G, group] float 0..15, scale [n, G], zero [n, G]).
+
+    importance [G, group]: each column's weight in the error (the calibration's mean squared
+    input, `int4_calibrated`); uniform when None. one_sided: shrink factors applied to one end of
+    the range only."""
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [n, G]
+    hw = torch.ones(g.shape[1:], dtype=g.dtype, device=g.device) if importance is None else importance
 
     def fit(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         scale = scale.clamp(min=1e-12).to(dtype).float()
         zero = zero.to(dtype).float()
         codes = ((g - zero[..., None]) / scale[..., None] + 8).round_().clamp_(0, 15)
-        err = ((codes - 8) * scale[..., None] + zero[..., None] - g).square_().sum(dim=-1)
+        err = (((codes - 8) * scale[..., None] + zero[..., None] - g).square_() * hw).sum(dim=-1)
         return codes, scale, zero, err
 
     def minmax(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,15 +179,20 @@ def _search_int4(g: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
             torch.where(better, cand[3], best[3]),
         )
 
-    for r in CLIP_RATIOS:
+    for r in clips:
         keep(minmax(lo * r, hi * r))
-    for _ in range(LSQ_ROUNDS):
+    for r in one_sided:
+        keep(minmax(lo * r, hi))
+        keep(minmax(lo, hi * r))
+    total = hw.sum(dim=-1)
+    for _ in range(rounds):  # weighted least squares: codes fixed, the best scale and zero
         u = best[0] - 8
-        mu, mw = u.mean(dim=-1, keepdim=True), g.mean(dim=-1, keepdim=True)
-        var = (u - mu).square().sum(dim=-1)
-        cov = ((u - mu) * (g - mw)).sum(dim=-1)
+        mu, mw = (u * hw).sum(dim=-1) / total, (g * hw).sum(dim=-1) / total
+        du = u - mu[..., None]
+        var = (du.square() * hw).sum(dim=-1)
+        cov = (du * (g - mw[..., None]) * hw).sum(dim=-1)
         scale = torch.where(var > 0, cov / var.clamp(min=1e-12), best[1])
-        keep(fit(scale, mw[..., 0] - scale * mu[..., 0]))
+        keep(fit(scale, mw - scale * mu))
     return best[0], best[1], best[2]
 
 
@@ -193,9 +226,11 @@ class QuantLinear(nn.Module):
         dtype: torch.dtype,
         absmax: torch.Tensor | None = None,
         blocks: Int4Blocks | None = None,
+        hessian: torch.Tensor | None = None,
     ):
         """blocks: the weight's 4-bit codes, taken as they are when int4 runs at their group (32);
-        otherwise the float `weight` is quantized."""
+        otherwise the float `weight` is quantized, against its calibration `hessian` when given
+        (`int4_codes`)."""
         super().__init__()
         N, K = weight.shape
         self.in_features, self.out_features = K, N
@@ -205,7 +240,7 @@ class QuantLinear(nn.Module):
             if blocks is not None and group == Int4Blocks.GROUP:
                 q, sz = blocks.int4(dtype)
             else:
-                q, sz = int4_codes(weight, group, dtype)
+                q, sz = int4_codes(weight, group, dtype, hessian)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.qweight = nn.Parameter(packed, requires_grad=False)
             self.scales = nn.Parameter(sz.to(dtype), requires_grad=False)
