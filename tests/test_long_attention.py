@@ -98,3 +98,25 @@ def check_last(runner: ModelRunner, backend: RecordingBackend, table: list[int],
         assert torch.isfinite(out).all()
         err = rel_error(out, want)
         assert err <= tol, f"layer {layer}, {kv_len} keys: relative error {err:.2e} > {tol}"
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("length", [1024, 3001, 20_000])
+def test_split_decode_equals_a_float64_reference(dtype: torch.dtype, tol: float, length: int) -> None:
+    """One decoding sequence's keys split into parts merged by log-sum-exp (`split_decode`, used
+    from `SPLIT_FROM` keys on) equals unsplit attention in float64, a tail of L % parts included."""
+    from engine.attention.long_prefill import SPLIT_FROM, has_lse_attention, split_decode
+
+    if not has_lse_attention(torch.device("cpu")):
+        pytest.skip("no CPU flash kernel with log-sum-exp")
+    assert length >= SPLIT_FROM
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(1, 6, 32, generator=g).to(dtype)
+    k = torch.randn(1, 2, length, 32, generator=g).to(dtype)
+    v = torch.randn(1, 2, length, 32, generator=g).to(dtype)
+    got = split_decode(q, k, v, 32**-0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double().reshape(1, 2, 3, 32), k.double(), v.double(), scale=32**-0.5
+    ).reshape(1, 6, 32)
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    assert got.dtype == dtype and err < tol, err

@@ -65,6 +65,43 @@ def attend_after_prefix(
     return out.to(out_dtype)
 
 
+# One decoding sequence's keys are split into SPLITS parts from this many keys on.
+SPLIT_FROM = 1024
+SPLITS = 4
+
+
+def split_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per head over many keys, the keys split into `SPLITS` parts run as a batch of
+    the flash kernel and merged by their log-sum-exps (flash decoding). The CPU kernel
+    parallelizes over batch x heads only: one sequence's 3 KV heads kept one of two threads
+    idle, and its G-row query blocks made each key block cost as much as a prefill's.
+    Measured per layer on the demo model's shapes (bf16, 2 threads), gather + attention:
+    0.30 -> 0.23 ms at 2k keys, 0.56 -> 0.40 ms at 4k, 1.12 -> 0.94 ms at 8k.
+
+    Args: q [1, H, D]; keys, values [1, KVH, L, D] (views are fine). Returns [1, H, D]."""
+    assert _LSE_OP is not None
+    _, H, D = q.shape
+    _, KVH, L, _ = keys.shape
+    G = H // KVH
+    n = SPLITS
+    chunk = L // n
+    main = n * chunk
+
+    def parts(x: torch.Tensor) -> torch.Tensor:  # [1, KVH, L, D] -> [n, KVH, chunk, D] (a view)
+        return x[0, :, :main].unflatten(1, (n, chunk)).transpose(0, 1)
+
+    folded = q.reshape(1, KVH, G, D)
+    o, lse = _LSE_OP(folded.expand(n, KVH, G, D), parts(keys), parts(values), 0.0, False, scale=scale)[:2]
+    outs, lses = [o.float()], [lse]
+    if main < L:  # the last L % n keys
+        o2, lse2 = _LSE_OP(folded, keys[:, :, main:], values[:, :, main:], 0.0, False, scale=scale)[:2]
+        outs.append(o2.float())
+        lses.append(lse2)
+    weights = torch.softmax(torch.cat(lses), dim=0)[..., None]  # [parts, KVH, G, 1]
+    out = (torch.cat(outs) * weights).sum(dim=0)  # [KVH, G, D]
+    return out.reshape(1, H, D).to(q.dtype)
+
+
 def attend_blocked(
     queries: torch.Tensor,
     keys: torch.Tensor,

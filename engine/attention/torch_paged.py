@@ -19,7 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
-from engine.attention.long_prefill import attend_after_prefix, attend_blocked, has_lse_attention
+from engine.attention.long_prefill import (
+    SPLIT_FROM,
+    attend_after_prefix,
+    attend_blocked,
+    has_lse_attention,
+    split_decode,
+)
 
 
 @dataclass
@@ -186,6 +192,8 @@ class TorchPagedBackend(AttentionBackend):
         `enable_gqa`. Returns [B, H, D]."""
         B, H, D = q.shape
         KVH = keys.shape[1]
+        if B == 1 and mask is None and keys.shape[2] >= SPLIT_FROM and has_lse_attention(q.device):
+            return split_decode(q, keys, values, self.scale)
         o = F.scaled_dot_product_attention(
             q.reshape(B, KVH, H // KVH, D), keys, values, attn_mask=mask, scale=self.scale
         )  # [B, KVH, G, D]
