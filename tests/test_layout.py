@@ -27,7 +27,8 @@ ALLOWED = {
 # the layers below never import the serving loop.
 ENGINE_LAYERS = {
     "engine.model": {"engine.model", "engine.distributed.parallel", "engine.attention"},
-    "engine.loading": {"engine.loading", "engine.model", "engine.distributed.parallel"},
+    # (attention: int4's calibration pass runs the loaded model over a scratch KV cache)
+    "engine.loading": {"engine.loading", "engine.model", "engine.distributed.parallel", "engine.attention"},
     "engine.distributed": {"engine.distributed"},
     "engine.attention": {"engine.attention"},
 }

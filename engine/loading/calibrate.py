@@ -23,15 +23,12 @@ import torch
 import xxhash
 from torch import nn
 
+from engine.attention.base import AttentionMetadata
 from engine.attention.torch_paged import TorchPagedBackend
 from engine.model.int4_calibrated import DAMP
 from engine.model.model import CausalLM
 from engine.model.moe import SparseMoE
 from engine.model.quant import int4_group
-from engine.model_runner import Chunk, ModelRunner
-from kvstore.block_pool import BlockPool
-from kvstore.kv_cache import KVCache
-from kvstore.spec import KVSpec
 
 log = logging.getLogger("longctx.calibrate")
 
@@ -102,18 +99,25 @@ def collect(model: CausalLM, ids: list[int], group_size: int) -> Calibration:
         elif (shape := _linear_shape(module)) is not None and name != "lm_head":
             add(f"{name}.weight", module, *shape)
     c = model.config
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    dtype = next(model.parameters()).dtype
+    device = model.model.norm.weight.device
     pages = CHUNK_TOKENS // PAGE
-    cache = KVCache(KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, PAGE, dtype), pages)
-    runner = ModelRunner(model, cache, TorchPagedBackend(c.num_heads, c.num_kv_heads, c.head_dim))
-    table = BlockPool(pages).allocate(pages)
+    caches = [
+        torch.zeros(pages, 2, PAGE, model.local_kv_heads, c.head_dim, dtype=dtype, device=device)
+        for _ in range(c.num_layers)
+    ]
+    backend = TorchPagedBackend(model.local_heads, model.local_kv_heads, c.head_dim)
     try:
         with torch.inference_mode():
             for i in range(0, len(ids), CHUNK_TOKENS):
                 chunk = ids[i : i + CHUNK_TOKENS]
-                if len(chunk) >= PAGE:
-                    runner.run([Chunk(chunk, table[: -(-len(chunk) // PAGE)], len(chunk))])
-                    cal.tokens += len(chunk)
+                if len(chunk) < PAGE:
+                    continue
+                n = -(-len(chunk) // PAGE)
+                meta = AttentionMetadata.build([list(range(n))], [len(chunk)], [len(chunk)], PAGE, device)
+                backend.plan(meta)
+                model(torch.tensor(chunk, dtype=torch.int64, device=device), meta, caches, backend)
+                cal.tokens += len(chunk)
     finally:
         for h in hooks:
             h.remove()
