@@ -25,7 +25,7 @@ from torch import nn
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_paged import TorchPagedBackend
-from engine.model.int4_calibrated import DAMP
+from engine.model.int4_calibrated import DAMP, group_blocks
 from engine.model.model import CausalLM
 from engine.model.moe import SparseMoE
 from engine.model.quant import int4_group
@@ -49,8 +49,6 @@ class Calibration:
     def columns(self, name: str, ranges: tuple[tuple[int, int], ...] | None, group: int) -> torch.Tensor | None:
         """The blocks for the input columns a rank holds (`ranges` of (start, size); None: all),
         at `group` (which divides B): [K_local/group, group, group], or None if not calibrated."""
-        from engine.model.int4_calibrated import group_blocks
-
         h = self.hessians.get(name)
         if h is None:
             return None
