@@ -165,9 +165,13 @@ def test_compiled_decode_runs_under_half_the_ops(deep: TinyModel, dense_run: dic
             whole.append(_outermost_ops(lambda r=runner: r.run([Chunk(ids[70:], pages, 71)])))  # type: ignore[misc]
         # The region calls of one decode step, recorded, then replayed compiled and eager.
         calls: list[tuple[Callable[..., Any], Callable[..., Any], tuple[Any, ...]]] = []
-        compiled_pre, compiled_post = step.pre, step.post
-        step.pre = lambda *a: calls.append((compiled_pre, pre_attention, a)) or compiled_pre(*a)
-        step.post = lambda *a: calls.append((compiled_post, post_attention, a)) or compiled_post(*a)
+        region = step._region
+
+        def record(bucket: int, layer: int, which: int, args: tuple[Any, ...]) -> Any:
+            calls.append((step.post, post_attention, args) if which else (step.pre, pre_attention, args))
+            return region(bucket, layer, which, args)
+
+        step._region = record  # type: ignore[method-assign]
         pair.compiled.run([Chunk(ids[70:], pages, 71)])
         assert len(calls) == 2 * deep.config.num_layers
 
@@ -182,6 +186,23 @@ def test_compiled_decode_runs_under_half_the_ops(deep: TinyModel, dense_run: dic
           f"whole step {whole[0]} eager, {whole[1]} compiled")  # fmt: skip
     assert compiled_regions < eager_regions / 2, (compiled_regions, eager_regions)
     assert whole[1] < whole[0], whole
+
+
+def test_compiled_graphs_are_called_without_dynamo(deep: TinyModel, dense_run: dict[str, Any]) -> None:
+    """Once a layer's first call through dynamo has bound its graph, a step calls the graphs
+    directly: no guard evaluation, and the same logits as the calls through dynamo."""
+    pair = Pair(deep)
+    steps = DENSE_STEPS[:3]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        first = pair.run(steps)  # binds every (bucket, layer, region) these steps use
+        assert pair.step.direct and all(call is not None for call in pair.step.direct.values())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            second = pair.run(steps)
+    names = {e.name for e in prof.events()}
+    assert not [n for n in names if "Dynamo" in n or "Torch-Compiled Region" in n], sorted(names)
+    assert any("CompiledFxGraph" in n for n in names), sorted(names)
+    for (eager, a), (_, b) in zip(first, second, strict=True):
+        assert _rel(eager, a) <= 1e-5 and torch.equal(a, b)
 
 
 def test_compile_flags() -> None:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.model.direct import DirectCall, Region
 from engine.model.layers import DenseMLP
 from engine.model.model import CausalLM, DecoderLayer
 from engine.model.regions import LinearSpec, linear_spec, post_attention, pre_attention
@@ -106,8 +107,8 @@ def bucket_for(num_tokens: int) -> int | None:
 
 
 @functools.cache
-def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+def _compiled(fn: Callable[..., Any]) -> Region:
+    return Region(fn)
 
 
 class CompiledStep:
@@ -120,6 +121,9 @@ class CompiledStep:
         self.pre = _compiled(pre_attention)
         self.post = _compiled(post_attention)
         self.compiled_buckets: set[int] = set()
+        # (bucket, layer, 0 = pre / 1 = post) -> the layer's graph called without dynamo.
+        self.direct: dict[tuple[int, int, int], DirectCall | None] = {}
+        self.use_direct = True
         cfg = model.config
         self.eps = cfg.rms_norm_eps
         self.layers: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
@@ -164,14 +168,14 @@ class CompiledStep:
         cos, sin = m.rope.cos_sin(positions, x.dtype)
         residual = torch.zeros_like(x)
         layers = zip(kv_caches, self.layers, self.attention, self.sparse, strict=True)
-        for cache, (pre_args, post_args), (index, window), sparse in layers:
-            q, k, v, residual = self.pre(x, residual, *pre_args, cos, sin, self.heads, self.eps)
+        for i, (cache, (pre_args, post_args), (index, window), sparse) in enumerate(layers):
+            q, k, v, residual = self._region(bucket, i, 0, (x, residual, *pre_args, cos, sin, self.heads, self.eps))
             if pad:
                 q, k, v = q[:T], k[:T], v[:T]
             o = backend.forward(index, q, k, v, cache, window)  # [T, H, D]
             if pad:
                 o = F.pad(o, (0, 0, 0, 0, 0, pad))
-            x, residual = self.post(o, residual, *post_args, self.eps)
+            x, residual = self._region(bucket, i, 1, (o, residual, *post_args, self.eps))
             if sparse is not None:
                 x = sparse(x)
         if logits_indices is not None:
@@ -182,6 +186,21 @@ class CompiledStep:
         logits = m.head(m.model.norm(h))
         self.compiled_buckets.add(bucket)
         return logits.float()
+
+    def _region(self, bucket: int, layer: int, which: int, args: tuple[Any, ...]) -> Any:
+        """Layer `layer`'s call of region `which` (0 = pre_attention, 1 = post_attention), whose
+        activations (x and residual, or o and residual; and cos, sin) change per step; the graph
+        is called directly once a call through dynamo has bound it (`engine/model/direct.py`)."""
+        key = (bucket, layer, which)
+        dynamic = (0, 1, len(args) - 4, len(args) - 3) if which == 0 else (0, 1)
+        call = self.direct.get(key)
+        if call is not None and all(args[i].is_contiguous() for i in dynamic):
+            return call(*(args[i] for i in dynamic))
+        region = self.post if which else self.pre
+        if not self.use_direct or key in self.direct:
+            return region(*args)
+        out, self.direct[key] = region.call_and_bind(args, dynamic)
+        return out
 
     def warm_up(self, page_size: int, buckets: tuple[int, ...] = BUCKETS) -> float:
         """Compile (or load from the cache) every bucket's graphs by running a throwaway step of
