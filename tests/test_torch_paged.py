@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.attention import long_prefill, torch_paged
-from engine.attention.base import AttentionMetadata
+from engine.attention.base import AttentionMetadata, write_kv
 from engine.attention.torch_paged import TorchPagedBackend
 
 H, KVH, D, S = 4, 2, 16, 4  # heads, KV heads, head dim, page size
@@ -109,3 +109,20 @@ def test_chunk_after_long_prefix_in_bounded_blocks(
     want = reference(q.double(), keys, values, kv_len, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_kv_written_in_one_call_when_v_follows_k() -> None:
+    """K and V halves of one buffer (the compiled step's layout) are written with one
+    `index_copy_`, to the same slots as separate tensors are."""
+    torch.manual_seed(0)
+    tables, q_lens, kv_lens = [[3, 7], [1]], [3, 2], [7, 2]
+    meta = AttentionMetadata.build(tables, q_lens, kv_lens, S)
+    kv = torch.randn(2, 5, KVH, D)
+    one, two = torch.zeros(9, 2, S, KVH, D), torch.zeros(9, 2, S, KVH, D)
+    with torch.profiler.profile() as prof:
+        write_kv(one, kv[0], kv[1], meta)
+    assert sum(e.name == "aten::index_copy_" for e in prof.events()) == 1
+    write_kv(two, kv[0].clone(), kv[1].clone(), meta)
+    assert torch.equal(one, two)
+    for t, (page, offset) in enumerate([(7, 0), (7, 1), (7, 2), (1, 0), (1, 1)]):  # positions 4-6, 0-1
+        assert torch.equal(one[page, 0, offset], kv[0, t]) and torch.equal(one[page, 1, offset], kv[1, t])

@@ -30,8 +30,8 @@ class AttentionMetadata:
         positions: [T] int64, the position of each token in its sequence.
         slot_pages: [T] int64, page where each new token's K/V is written.
         slot_offsets: [T] int64, offset inside that page.
-        kv_slots: [T] int64, row of each new token's K in the cache viewed flat as
-            `[num_pages * 2 * page_size, KVH, D]` (its V row is `page_size` further).
+        kv_slots: [2T] int64, rows of the new tokens' K, then of their V, in the cache viewed
+            flat as `[num_pages * 2 * page_size, KVH, D]` (a V row is `page_size` past its K's).
         q_lens, kv_lens: host copies (new tokens, and total tokens after this step) per sequence.
         page_size: tokens per page.
         first_pages: per sequence, leading logical pages left out of `kv_indices` (released by
@@ -124,6 +124,7 @@ class AttentionMetadata:
         slot_pages = kv_indices[seq_page0 + positions // S].to(torch.int64)
         slot_offsets = positions % S
         last_lens = kv_t - (-(-kv_t // S) - 1) * S
+        k_rows = slot_pages * (2 * S) + slot_offsets
         return cls(
             qo_indptr=qo_indptr.to(device),
             kv_indptr=kv_indptr.to(device),
@@ -132,7 +133,7 @@ class AttentionMetadata:
             positions=positions.to(device),
             slot_pages=slot_pages.to(device),
             slot_offsets=slot_offsets.to(device),
-            kv_slots=(slot_pages * (2 * S) + slot_offsets).to(device),
+            kv_slots=torch.cat((k_rows, k_rows + S)).to(device),
             q_lens=list(q_lens),
             kv_lens=list(kv_lens),
             page_size=page_size,
@@ -182,8 +183,19 @@ class AttentionBackend(ABC):
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store the step's new K/V at their slots. cache [P, 2, S, KVH, D]; k, v [T, KVH, D].
 
-    Two `index_copy_` on the cache viewed flat, one index tensor (V rows are K rows + S)."""
+    `index_copy_` on the cache viewed flat: one call when v directly follows k in memory (the
+    compiled step's layout, `regions.pre_attention`), else one each."""
     P, _, S, KVH, D = cache.shape
+    T = k.shape[0]
     flat = cache.view(P * 2 * S, KVH, D)
-    flat.index_copy_(0, meta.kv_slots, k.to(cache.dtype))
-    flat[S:].index_copy_(0, meta.kv_slots, v.to(cache.dtype))
+    if (
+        k.dtype == v.dtype == cache.dtype
+        and k.is_contiguous()
+        and v.is_contiguous()
+        and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        and v.data_ptr() == k.data_ptr() + k.nbytes
+    ):
+        flat.index_copy_(0, meta.kv_slots, k.as_strided((2 * T, KVH, D), (KVH * D, D, 1)))
+        return
+    flat.index_copy_(0, meta.kv_slots[:T], k.to(cache.dtype))
+    flat.index_copy_(0, meta.kv_slots[T:], v.to(cache.dtype))

@@ -78,7 +78,8 @@ def pre_attention(
     else:
         qk = y[:, : H + KVH]
     qk = torch.addcmul(qk * cos, torch.roll(qk, D // 2, dims=-1), sin)
-    return qk[:, :H], qk[:, H:], y[:, H + KVH :], h
+    kv = torch.stack((qk[:, H:], y[:, H + KVH :]))  # one buffer, v after k: one KV write (`write_kv`)
+    return qk[:, :H], kv[0], kv[1], h
 
 
 def post_attention(
