@@ -17,7 +17,7 @@ from engine.attention.registry import make_backend
 from engine.distributed.launch import Watchdog
 from engine.distributed.parallel import ParallelContext
 from engine.model.model import CausalLM
-from engine.model_runner import Chunk, ModelRunner
+from engine.model_runner import Chunk, ModelRunner, build_kernels
 from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
 
@@ -77,6 +77,7 @@ def _serve(model: CausalLM, parallel: ParallelContext) -> int:
     mc = model.config
     device = model.model.norm.weight.device
     spec = KVSpec(mc.num_layers, model.local_kv_heads, mc.head_dim, page_size, dtype)
+    build_kernels(device)
     backend = make_backend(backend_name, device, model.local_heads, model.local_kv_heads, mc.head_dim)
     runner = ModelRunner(model, KVCache(spec, num_pages, device), backend)
     log.info("rank %d: KV shard of %d pages, %.1f MB", parallel.rank, num_pages, runner.kv_cache.num_bytes / 1e6)

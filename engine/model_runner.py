@@ -7,11 +7,20 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import cpu_kernel
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.registry import make_backend
+from engine.loading.model_source import longctx_home
 from engine.model.model import CausalLM
 from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
+
+
+def build_kernels(device: torch.device) -> None:
+    """On CPU, the decode attention kernel (`engine/attention/paged_decode.cpp`), built once under
+    `$LONGCTX_HOME/kernels`; backends made after this use it."""
+    if device.type == "cpu":
+        cpu_kernel.load(longctx_home() / "kernels")
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,7 @@ class ModelRunner:
         dtype = str(model.model.norm.weight.dtype).replace("torch.", "")
         spec = KVSpec(mc.num_layers, model.local_kv_heads, mc.head_dim, page_size, dtype)
         kv_cache = KVCache.from_budget(spec, kv_cache_bytes, device)
+        build_kernels(device)
         backend = make_backend(attention_backend, device, model.local_heads, model.local_kv_heads, mc.head_dim)
         return cls(model, kv_cache, backend)
 

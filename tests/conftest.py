@@ -7,8 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from engine.attention import cpu_kernel
 from engine.loading.loader import LoadedModel, load
 from engine.loading.model_source import pull_demo
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _decode_kernel(request: pytest.FixtureRequest) -> None:
+    """The CPU decode attention kernel, built once into the pytest cache (a few seconds the
+    first time): every backend of the session uses it, as the engine does."""
+    cpu_kernel.load(Path(request.config.cache.mkdir("longctx-kernels")))
 
 
 @pytest.fixture(scope="session")

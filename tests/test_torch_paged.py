@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from engine.attention import long_prefill, torch_paged
+from engine.attention import cpu_kernel, long_prefill, torch_paged
 from engine.attention.base import AttentionMetadata, write_kv
 from engine.attention.torch_paged import TorchPagedBackend
 
@@ -45,7 +45,8 @@ def reference(
         [(1, 13), (7, 19), (1, 3), (4, 4)],  # mixed
     ],
 )
-def test_matches_plain_attention(batch: list[tuple[int, int]], window: int | None) -> None:
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "sdpa"])
+def test_matches_plain_attention(batch: list[tuple[int, int]], window: int | None, kernel: bool) -> None:
     torch.manual_seed(0)
     num_pages = 40
     cache = torch.randn(num_pages, 2, S, KVH, D)
@@ -54,7 +55,7 @@ def test_matches_plain_attention(batch: list[tuple[int, int]], window: int | Non
     meta = AttentionMetadata.build(tables, [q for q, _ in batch], [kv for _, kv in batch], S)
     T = sum(q for q, _ in batch)
     q, k, v = torch.randn(T, H, D), torch.randn(T, KVH, D), torch.randn(T, KVH, D)
-    backend = TorchPagedBackend(H, KVH, D)
+    backend = _backend(kernel)
     backend.plan(meta)
     out = backend.forward(0, q, k, v, cache, window)
     start = 0
@@ -69,16 +70,30 @@ def test_matches_plain_attention(batch: list[tuple[int, int]], window: int | Non
         start += n
 
 
-def test_window_reads_only_the_pages_it_reaches() -> None:
+def _backend(kernel: bool) -> TorchPagedBackend:
+    """The backend with the decode kernel (built for the session by conftest) or SDPA."""
+    backend = TorchPagedBackend(H, KVH, D)
+    assert backend.kernel is not None  # a C++ compiler is part of `make test`'s set-up
+    if not kernel:
+        backend.kernel = None
+    return backend
+
+
+def _pages_read(read: object) -> int:
+    return read.pages.shape[1] if isinstance(read, torch_paged._KernelRead) else read.n_pages  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "sdpa"])
+def test_window_reads_only_the_pages_it_reaches(kernel: bool) -> None:
     window, kv_len = 10, 200
     pages = list(range(-(-kv_len // S)))
     meta = AttentionMetadata.build([pages, pages[:10]], [1, 1], [kv_len, 37], S)
-    backend = TorchPagedBackend(H, KVH, D)
+    backend = _backend(kernel)
     backend.plan(meta)
     decode, _ = backend._reads_for(window)
-    assert decode is not None and decode.n_pages <= math.ceil(window / S) + 1
+    assert decode is not None and _pages_read(decode) <= math.ceil(window / S) + 1
     full, _ = backend._reads_for(None)
-    assert full is not None and full.n_pages == len(pages)
+    assert full is not None and _pages_read(full) == len(pages)
     meta = AttentionMetadata.build([pages], [8], [kv_len], S)
     backend.plan(meta)
     _, (prefill,) = backend._reads_for(window)
@@ -111,9 +126,13 @@ def test_chunk_after_long_prefix_in_bounded_blocks(
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
-def test_kv_written_in_one_call_when_v_follows_k() -> None:
-    """K and V halves of one buffer (the compiled step's layout) are written with one
-    `index_copy_`, to the same slots as separate tensors are."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["store_kv", "index_copy"])
+def test_kv_written_in_one_call(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> None:
+    """The step's K/V go to their slots in one call: the kernels' row copy, or without it one
+    `index_copy_` when K and V are halves of one buffer (the compiled step's layout); the same
+    cache as writing separate tensors."""
+    if not kernel:
+        monkeypatch.setattr(cpu_kernel, "store_kv", lambda: None)
     torch.manual_seed(0)
     tables, q_lens, kv_lens = [[3, 7], [1]], [3, 2], [7, 2]
     meta = AttentionMetadata.build(tables, q_lens, kv_lens, S)
@@ -121,8 +140,42 @@ def test_kv_written_in_one_call_when_v_follows_k() -> None:
     one, two = torch.zeros(9, 2, S, KVH, D), torch.zeros(9, 2, S, KVH, D)
     with torch.profiler.profile() as prof:
         write_kv(one, kv[0], kv[1], meta)
-    assert sum(e.name == "aten::index_copy_" for e in prof.events()) == 1
+    calls = [e.name for e in prof.events() if e.name in ("aten::index_copy_", "longctx::store_kv")]
+    assert calls == ["longctx::store_kv" if kernel else "aten::index_copy_"]
     write_kv(two, kv[0].clone(), kv[1].clone(), meta)
     assert torch.equal(one, two)
     for t, (page, offset) in enumerate([(7, 0), (7, 1), (7, 2), (1, 0), (1, 1)]):  # positions 4-6, 0-1
         assert torch.equal(one[page, 0, offset], kv[0, t]) and torch.equal(one[page, 1, offset], kv[1, t])
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_over_random_batches(monkeypatch: pytest.MonkeyPatch, seed: int, dtype: torch.dtype) -> None:
+    """The decode kernel on random decode batches: shuffled pages, pages released before a
+    sliding window, lengths up to 700 keys cut into chunks of 16 to 64 (merged by log-sum-exp),
+    against float64 attention."""
+    g = torch.Generator().manual_seed(seed)
+    monkeypatch.setattr(torch_paged, "MIN_CHUNK", int(torch.randint(16, 65, (1,), generator=g)))
+    monkeypatch.setattr(torch_paged, "TASKS_PER_THREAD", 64)
+    B = int(torch.randint(1, 6, (1,), generator=g))
+    window = None if seed % 2 else int(torch.randint(5, 200, (1,), generator=g))
+    kv_lens = torch.randint(1, 701, (B,), generator=g).tolist()
+    free = torch.randperm(1000, generator=g).tolist()
+    tables, firsts = [], []
+    for kv in kv_lens:
+        first = 0 if window is None else max(0, kv - window) // S  # pages before it released
+        tables.append(torch.tensor([free.pop() for _ in range(-(-kv // S) - first)], dtype=torch.int32))
+        firsts.append(first)
+    meta = AttentionMetadata.from_tables(tables, firsts, [1] * B, kv_lens, S)
+    cache = torch.randn(1000, 2, S, KVH, D, generator=g).to(dtype)
+    q, k, v = (torch.randn(B, h, D, generator=g).to(dtype) for h in (H, KVH, KVH))
+    backend = _backend(True)
+    backend.plan(meta)
+    out = backend.forward(0, q, k, v, cache, window)
+    for b, (kv, first) in enumerate(zip(kv_lens, firsts, strict=True)):
+        pages = cache[tables[b].long()].double()  # logical pages first.. of this sequence
+        keys = torch.cat([torch.zeros(first * S, KVH, D, dtype=torch.float64), pages[:, 0].reshape(-1, KVH, D)])[:kv]
+        values = torch.cat([torch.zeros(first * S, KVH, D, dtype=torch.float64), pages[:, 1].reshape(-1, KVH, D)])[:kv]
+        want = reference(q[b : b + 1].double(), keys, values, kv, window)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[b : b + 1].double(), want, rtol=tol, atol=tol)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention import cpu_kernel
+
 
 @dataclass
 class AttentionMetadata:
@@ -183,10 +185,16 @@ class AttentionBackend(ABC):
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store the step's new K/V at their slots. cache [P, 2, S, KVH, D]; k, v [T, KVH, D].
 
-    `index_copy_` on the cache viewed flat: one call when v directly follows k in memory (the
-    compiled step's layout, `regions.pre_attention`), else one each."""
+    On CPU with the kernels built (`cpu_kernel`), one row copy per token; else `index_copy_` on
+    the cache viewed flat: one call when v directly follows k in memory (the compiled step's
+    layout, `regions.pre_attention`), else one each."""
     P, _, S, KVH, D = cache.shape
     T = k.shape[0]
+    store = cpu_kernel.store_kv()
+    rows = k.stride(-1) == v.stride(-1) == 1 and k.stride(-2) == v.stride(-2) == D  # a token's K/V: one row
+    if store is not None and cache.device.type == "cpu" and k.dtype == v.dtype == cache.dtype and rows:
+        store(cache, k, v, meta.kv_slots)
+        return
     flat = cache.view(P * 2 * S, KVH, D)
     if (
         k.dtype == v.dtype == cache.dtype

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_kernel
 from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from engine.attention.long_prefill import (
     SPLIT_FROM,
@@ -56,8 +57,30 @@ def _first_token(q_start_pos: int, window: int | None) -> int:
     return 0 if window is None else max(0, q_start_pos - window + 1)
 
 
+@dataclass
+class _KernelRead:
+    """The decode group's read for `paged_decode.cpp`: per sequence its pages from the first one
+    read (padded to the longest), and the keys' first token in them and count."""
+
+    pages: torch.Tensor  # [B, n] int32
+    starts: torch.Tensor  # [B] int64
+    lengths: torch.Tensor  # [B] int64
+    chunk: int  # keys per kernel task
+
+
+# The kernel's tasks: (sequence, chunk of keys); enough per thread to balance, none shorter
+# than this many keys.
+TASKS_PER_THREAD = 4
+MIN_CHUNK = 256
+
+
 class TorchPagedBackend(AttentionBackend):
     name = "torch_paged"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        # The decode kernel when it is built in this process (`cpu_kernel.load`); None: SDPA.
+        self.kernel = cpu_kernel.loaded()
 
     def plan(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -78,7 +101,8 @@ class TorchPagedBackend(AttentionBackend):
             if self.all_decode or not self.decodes
             else torch.tensor([s.q_start for s in self.decodes], dtype=torch.int64, device=self.device)
         )
-        self._reads: dict[int | None, tuple[_Read | None, list[_Read]]] = {}
+        self._reads: dict[int | None, tuple[_Read | _KernelRead | None, list[_Read]]] = {}
+        self.use_kernel = self.kernel is not None and self.device.type == "cpu"
 
     @staticmethod
     def _rows(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +118,24 @@ class TorchPagedBackend(AttentionBackend):
                 f"{s.first_page} were released"
             )
         return first
+
+    def _kernel_read(self, window: int | None) -> _KernelRead:
+        S = self.page_size
+        firsts = [self._first_page(s, s.kv_len - 1, window) for s in self.decodes]
+        tokens = [_first_token(s.kv_len - 1, window) for s in self.decodes]
+        if len(self.decodes) == 1:
+            s, first = self.decodes[0], firsts[0]
+            pages = s.pages[first - s.first_page :].view(1, -1)
+        else:
+            counts = [len(s.pages) - (f - s.first_page) for s, f in zip(self.decodes, firsts, strict=True)]
+            pages = torch.zeros(len(self.decodes), max(counts), dtype=torch.int32, device=self.device)
+            for i, (s, f, c) in enumerate(zip(self.decodes, firsts, counts, strict=True)):
+                pages[i, :c] = s.pages[f - s.first_page :]
+        lengths = [s.kv_len - t for s, t in zip(self.decodes, tokens, strict=True)]
+        spans = torch.tensor([[t - f * S for t, f in zip(tokens, firsts, strict=True)], lengths], dtype=torch.int64)
+        tasks = -(-TASKS_PER_THREAD * torch.get_num_threads() // len(self.decodes))  # chunks per sequence
+        chunk = max(MIN_CHUNK, -(-max(lengths) // tasks))
+        return _KernelRead(pages.contiguous(), spans[0], spans[1], chunk)
 
     def _decode_read(self, window: int | None) -> _Read:
         S = self.page_size
@@ -136,10 +178,12 @@ class TorchPagedBackend(AttentionBackend):
                 mask &= kv_pos > q_pos - window
         return _Read(k, v, len(s.pages) - (first - s.first_page), 0, length, mask, causal)
 
-    def _reads_for(self, window: int | None) -> tuple[_Read | None, list[_Read]]:
+    def _reads_for(self, window: int | None) -> tuple[_Read | _KernelRead | None, list[_Read]]:
         """Per window (layers share them): the decode group's read and each prefill's."""
         if window not in self._reads:
-            decode = self._decode_read(window) if self.decodes else None
+            decode: _Read | _KernelRead | None = None
+            if self.decodes:
+                decode = self._kernel_read(window) if self.use_kernel else self._decode_read(window)
             self._reads[window] = (decode, [self._prefill_read(s, window) for s in self.prefills])
         return self._reads[window]
 
@@ -167,13 +211,23 @@ class TorchPagedBackend(AttentionBackend):
                 kv.append(x.transpose(1, 2).to(q.dtype))
             return kv[0], kv[1]
 
+        def decode_group(queries: torch.Tensor) -> torch.Tensor:
+            """The decoding sequences' attention, [B, H, D] -> [B, H, D]."""
+            if isinstance(decode, _KernelRead) and queries.dtype == cache.dtype in cpu_kernel.DTYPES:
+                assert self.kernel is not None
+                r = decode
+                if queries.stride(-1) != 1 or queries.stride(-2) != queries.shape[-1]:
+                    queries = queries.contiguous()
+                return self.kernel(queries, cache, r.pages, r.starts, r.lengths, self.scale, r.chunk)
+            read = decode if isinstance(decode, _Read) else self._decode_read(window)  # (a dtype the kernel lacks)
+            keys, values = gather(read, len(self.decodes))
+            return self._decode(queries, keys, values, read.mask)
+
         if self.all_decode and decode is not None:
-            keys, values = gather(decode, len(self.decodes))
-            return self._decode(q, keys, values, decode.mask)
+            return decode_group(q)
         out = torch.empty_like(q)  # [T, H, D]
         if decode is not None and self.decode_rows is not None:
-            keys, values = gather(decode, len(self.decodes))
-            out[self.decode_rows] = self._decode(q[self.decode_rows], keys, values, decode.mask)
+            out[self.decode_rows] = decode_group(q[self.decode_rows])
         for s, r in zip(self.prefills, prefills, strict=True):
             keys, values = gather(r, 1)
             queries = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]

@@ -1,0 +1,117 @@
+"""Building and loading `paged_decode.cpp`, the CPU decode-attention kernel, as torch ops.
+
+The source is compiled once with the C++ compiler inductor also uses (g++), against the
+installed torch's headers and libraries, into `<build dir>/paged_decode-<hash>.so`; the hash
+covers the source, the flags, the torch version and the compiler, so a change of any of them
+builds anew and a second start only loads the file. Without a compiler (or if the build
+fails) `load` returns None with one warning and attention uses the SDPA path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("longctx.attention")
+
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
+DTYPES = (torch.float32, torch.bfloat16)  # of the queries and the cache
+# -march=native: the build runs on the machine that serves. Fast math without
+# finite-math-only: the kernel starts its running maxima at -inf.
+CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-std=c++17",
+    "-fPIC",
+    "-shared",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-freciprocal-math",
+]
+
+_lock = threading.Lock()
+_op: Callable[..., torch.Tensor] | None = None
+_store: Callable[..., None] | None = None
+_failed: str | None = None
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+@functools.cache
+def _compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _command(cxx: str, out: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [cxx, *CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", str(SOURCE), "-o", str(out)]
+    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
+    for lib in cpp_extension.library_paths():
+        cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
+    return [*cmd, "-lc10", "-ltorch_cpu", "-lgomp"]
+
+
+def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.longctx.paged_decode`, built under `build_dir` if needed; None if it cannot be."""
+    global _op, _store, _failed
+    with _lock:
+        if _op is not None or _failed is not None:
+            return _op
+        cxx = _compiler()
+        if cxx is None:
+            _failed = "no C++ compiler (g++) on PATH"
+            log.warning("decode attention kernel not built (%s); using SDPA", _failed)
+            return None
+        digest = hashlib.sha256(SOURCE.read_bytes())
+        for part in (*CFLAGS, torch.__version__, _compiler_version(cxx)):
+            digest.update(part.encode())
+        so = build_dir / f"paged_decode-{digest.hexdigest()[:16]}.so"
+        try:
+            if not so.exists():
+                build_dir.mkdir(parents=True, exist_ok=True)
+                t0 = time.perf_counter()
+                with tempfile.TemporaryDirectory(dir=build_dir) as tmp:
+                    partial = Path(tmp) / so.name
+                    subprocess.run(_command(cxx, partial), check=True, capture_output=True, text=True, timeout=600)
+                    partial.replace(so)  # atomic: a concurrent start sees a whole file or none
+                log.info("built the decode attention kernel in %.1fs", time.perf_counter() - t0)
+            torch.ops.load_library(str(so))
+        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+            detail = e.stderr.strip().splitlines()[-1:] if isinstance(e, subprocess.CalledProcessError) else [str(e)]
+            _failed = detail[0] if detail else type(e).__name__
+            log.warning("decode attention kernel not built (%s); using SDPA", _failed)
+            return None
+        _op, _store = torch.ops.longctx.paged_decode, torch.ops.longctx.store_kv
+        return _op
+
+
+def loaded() -> Callable[..., torch.Tensor] | None:
+    """The kernel if `load` has succeeded in this process, else None (never builds)."""
+    return _op
+
+
+def store_kv() -> Callable[..., None] | None:
+    """`store_kv(cache, k, v, slots)` (the step's K/V rows copied in) once loaded, else None."""
+    return _store

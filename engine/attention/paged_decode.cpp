@@ -1,0 +1,237 @@
+// Decode attention over a paged KV cache on CPU, reading K and V where they are in the cache.
+//
+// One query token per sequence; the sequence's keys are the tokens [start, start + length) of
+// its page-table row (logical pages, `page_size` tokens each). The G query heads that share a
+// KV head are computed together, so each K and V row is read once. Work is split into
+// (sequence, chunk of keys) tasks run by ATen's thread pool, each reading its keys' whole
+// cache rows (every KV head) in order; a task keeps per head a running max, sum and weighted
+// sum of V (online softmax) and the chunks are merged by log-sum-exp at the end.
+//
+// Registered as torch.ops.longctx.paged_decode (and store_kv, the step's K/V rows written in):
+//   q [B, H, D] (float32 or bfloat16; rows may be strided), cache [P, 2, S, KVH, D] (q's dtype), pages [B, N] int32,
+//   starts [B] int64, lengths [B] int64 (each >= 1), scale, chunk (keys per task)
+//   -> [B, H, D] in q's dtype.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // keys scored before their softmax update
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// exp(x) for x <= 0 within ~2e-7 relative (clamped at 2^-126), in plain arithmetic the compiler vectorizes
+// (a libm call per score would not be): 2^(x log2 e) split into an integer power of two,
+// set in the exponent bits, and a degree-6 polynomial for the fraction.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x * 1.44269504089f, -126.f);
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 2.1690609e-4f;  // least squares in relative error: max 9e-8 on [0, 1)
+  p = p * f + 1.2443082e-3f;
+  p = p * f + 9.6784728e-3f;
+  p = p * f + 5.5483524e-2f;
+  p = p * f + 2.4022980e-1f;
+  p = p * f + 6.9314700e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline void load_row(const T* __restrict src, float* __restrict dst, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
+}
+
+// kD > 0: the head dim as a compile-time constant (unrolled, vectorized loops); 0: any.
+template <typename T, int64_t kD>
+void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, const at::Tensor& starts,
+         const at::Tensor& lengths, double scale, int64_t chunk, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = kD > 0 ? kD : q.size(2);
+  const int64_t S = cache.size(2), KVH = cache.size(3);
+  const int64_t G = H / KVH, N = pages.size(1);
+  const T* qp = q.data_ptr<T>();
+  const int64_t q_stride = q.stride(0);  // rows may be strided (a slice of the QKV output)
+  const T* cp = cache.data_ptr<T>();
+  const int32_t* pp = pages.data_ptr<int32_t>();
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lp[b]);
+  const int64_t C = std::max<int64_t>(1, (max_len + chunk - 1) / chunk);
+  // Per task (sequence, chunk of keys) and query head: running max, sum, and the
+  // unnormalized output [D]. A task reads every KV head of its keys: whole cache rows, in order.
+  std::vector<float> part_m(B * C * H), part_l(B * C * H), part_acc(B * C * H * D);
+  const int64_t row = KVH * D;   // one token of one page half
+  const int64_t half = S * row;  // K or V of one page
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), kf(D), scores(G * kBlock);
+    const T* rows[kBlock];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = task % C, b = task / C;
+      const int64_t t0 = c * chunk, t1 = std::min(lp[b], t0 + chunk);
+      float* m = &part_m[task * H];
+      float* l = &part_l[task * H];
+      float* acc = &part_acc[task * H * D];
+      std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+      std::fill(l, l + H, 0.f);
+      if (t0 >= t1) continue;
+      std::fill(acc, acc + H * D, 0.f);
+      for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qp[b * q_stride + i]) * fscale;
+      const int32_t* table = pp + b * N;
+      const int64_t start = sp[b];
+      int64_t page = (start + t0) / S, offset = (start + t0) % S;  // of the next key
+      for (int64_t k0 = t0; k0 < t1; k0 += kBlock) {
+        const int64_t n = std::min(kBlock, t1 - k0);
+        for (int64_t j = 0; j < n; ++j) {
+          rows[j] = cp + static_cast<int64_t>(table[page]) * 2 * half + offset * row;
+          if (++offset == S) offset = 0, ++page;
+        }
+        for (int64_t h = 0; h < KVH; ++h) {
+          for (int64_t j = 0; j < n; ++j) {
+            load_row(rows[j] + h * D, kf.data(), D);
+            for (int64_t g = 0; g < G; ++g) {
+              const float* qg = &qf[(h * G + g) * D];
+              float dot = 0.f;
+              for (int64_t d = 0; d < D; ++d) dot += qg[d] * kf[d];
+              scores[g * kBlock + j] = dot;
+            }
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t head = h * G + g;
+            float* sg = &scores[g * kBlock];
+            float bm = m[head];
+            for (int64_t j = 0; j < n; ++j) bm = std::max(bm, sg[j]);
+            const float corr = exp_nonpositive(m[head] - bm);
+            float sum = 0.f;
+            for (int64_t j = 0; j < n; ++j) {
+              sg[j] = exp_nonpositive(sg[j] - bm);
+              sum += sg[j];
+            }
+            l[head] = l[head] * corr + sum;
+            m[head] = bm;
+            float* ag = &acc[head * D];
+            for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
+          }
+          for (int64_t j = 0; j < n; ++j) {
+            load_row(rows[j] + half + h * D, kf.data(), D);  // its value: the page's V half
+            for (int64_t g = 0; g < G; ++g) {
+              const float p = scores[g * kBlock + j];
+              float* ag = &acc[(h * G + g) * D];
+              for (int64_t d = 0; d < D; ++d) ag[d] += p * kf[d];
+            }
+          }
+        }
+      }
+    }
+  });
+
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, head = bh % H;
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < C; ++c) M = std::max(M, part_m[(b * C + c) * H + head]);
+      float L = 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t at = (b * C + c) * H + head;
+        if (part_l[at] == 0.f) continue;
+        const float w = std::exp(part_m[at] - M);  // (few: no need to vectorize)
+        L += part_l[at] * w;
+        const float* a = &part_acc[at * D];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+      }
+      T* dst = op + bh * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] / L);
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages,
+                        const at::Tensor& starts, const at::Tensor& lengths, double scale, int64_t chunk) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [B, H, D], each row's heads contiguous");
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.size(1) == 2, "cache must be [P, 2, S, KVH, D]");
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "q and cache must have one dtype");
+  TORCH_CHECK(cache.size(4) == q.size(2) && q.size(1) % cache.size(3) == 0, "head shapes disagree");
+  TORCH_CHECK(pages.scalar_type() == at::kInt && pages.dim() == 2 && pages.is_contiguous(), "pages: [B, N] int32");
+  TORCH_CHECK(pages.size(0) == q.size(0) && starts.numel() == q.size(0) && lengths.numel() == q.size(0),
+              "one page row, start and length per query");
+  TORCH_CHECK(starts.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong, "starts, lengths: int64");
+  TORCH_CHECK(chunk >= 1, "chunk must be >= 1");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_decode supports float32 and bfloat16");
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  const at::Tensor s = starts.contiguous(), l = lengths.contiguous();
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  switch (q.size(2)) {
+    case 64:
+      bf16 ? run<c10::BFloat16, 64>(q, cache, pages, s, l, scale, chunk, out)
+           : run<float, 64>(q, cache, pages, s, l, scale, chunk, out);
+      break;
+    case 128:
+      bf16 ? run<c10::BFloat16, 128>(q, cache, pages, s, l, scale, chunk, out)
+           : run<float, 128>(q, cache, pages, s, l, scale, chunk, out);
+      break;
+    default:
+      bf16 ? run<c10::BFloat16, 0>(q, cache, pages, s, l, scale, chunk, out)
+           : run<float, 0>(q, cache, pages, s, l, scale, chunk, out);
+  }
+  return out;
+}
+
+// The step's new K and V rows into the cache: cache [P, 2, S, KVH, D] viewed flat as rows of
+// [KVH, D]; k, v [T, KVH, D] (rows may be strided); slots [2T] int64, the rows of K then of V.
+void store_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  TORCH_CHECK(cache.is_contiguous() && k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
+              "store_kv: a contiguous cache and K/V of its dtype");
+  const int64_t T = k.size(0), row = cache.size(3) * cache.size(4);
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && v.size(0) == T && slots.numel() == 2 * T, "store_kv: shapes");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2) &&
+                  k.size(1) * k.size(2) == row && v.size(1) * v.size(2) == row,
+              "store_kv: each token's K/V must be one contiguous row of the cache's width");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "store_kv: int64 slots");
+  const int64_t rows = cache.numel() / row, bytes = row * cache.element_size();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const char* src[2] = {static_cast<const char*>(k.data_ptr()), static_cast<const char*>(v.data_ptr())};
+  const int64_t stride[2] = {k.stride(0) * k.element_size(), v.stride(0) * v.element_size()};
+  for (int64_t i = 0; i < 2 * T; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < rows, "store_kv: slot out of range");
+    std::memcpy(dst + sp[i] * bytes, src[i / T] + (i % T) * stride[i / T], bytes);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(longctx, m) {
+  m.def("paged_decode(Tensor q, Tensor cache, Tensor pages, Tensor starts, Tensor lengths, float scale, int chunk) -> Tensor");
+  m.def("store_kv(Tensor(a!) cache, Tensor k, Tensor v, Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(longctx, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("store_kv", &store_kv);
+}
