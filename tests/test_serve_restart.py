@@ -29,6 +29,9 @@ ARGS = (
     "--shutdown-grace-s", str(GRACE_S), "--served-model-name", "demo",
 )  # fmt: skip
 COUNT = "Count from 1 to 600, separated by commas."
+# The background job: greedy, the demo model runs this to max_output_tokens (500), longer than
+# the shutdown grace (COUNT alone ends after ~120 tokens, within the grace of a fast decode).
+LONG = "Repeat the word 'hello' 600 times."
 NOTES = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(30))
 
 
@@ -66,7 +69,7 @@ def test_sigterm_hands_back_jobs_and_a_restart_continues(demo_gguf: Path, tmp_pa
                 model="demo", conversation=conv.id, input=NOTES, temperature=0, max_output_tokens=4
             )
             assert turn.usage is not None and turn.usage.input_tokens > 300
-            job = client.responses.create(model="demo", input=COUNT, background=True, temperature=0,
+            job = client.responses.create(model="demo", input=LONG, background=True, temperature=0,
                                           max_output_tokens=500)  # fmt: skip
             deadline = time.monotonic() + 120
             while _events_stored(url, prefix, job.id) < 8:  # then the read below does not block

@@ -18,6 +18,10 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -61,6 +65,87 @@ template <typename T>
 inline void load_row(const T* __restrict src, float* __restrict dst, int64_t D) {
   for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
 }
+
+// One KV head's part of a block of n keys: `rows[j] + off` is key j's K (and `+ half` its V)
+// for this head; qf holds the head's G queries [G, D] (scaled), acc their outputs [G, D].
+// scores[g * kBlock + j] = q_g . k_j.
+template <typename T, int64_t kD>
+inline void score_block(const T* const* rows, int64_t off, int64_t n, const float* qf, int64_t G, int64_t D, float* kf,
+                        float* scores) {
+  for (int64_t j = 0; j < n; ++j) {
+    load_row(rows[j] + off, kf, D);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * kf[d];
+      scores[g * kBlock + j] = dot;
+    }
+  }
+}
+
+// acc[g] += sum_j p[g][j] v_j, p = scores after the softmax update.
+template <typename T, int64_t kD>
+inline void accumulate_block(const T* const* rows, int64_t off, int64_t n, const float* scores, int64_t G, int64_t D,
+                             float* kf, float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    load_row(rows[j] + off, kf, D);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * kBlock + j];
+      float* ag = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) ag[d] += p * kf[d];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// The same two steps in 16-float vectors for head dims that are multiples of 16: a key's row
+// is converted once and kept in registers for its G dot products.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <typename T, int64_t kD>
+inline void score_block_avx512(const T* const* rows, int64_t off, int64_t n, const float* qf, int64_t G,
+                               float* scores) {
+  constexpr int64_t V = kD / 16;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kr = rows[j] + off;
+    __m512 k[V];
+    for (int64_t v = 0; v < V; ++v) k[v] = load16(kr + 16 * v);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * kD;
+      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+      for (int64_t v = 1; v < V; ++v) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), k[v], dot);
+      scores[g * kBlock + j] = _mm512_reduce_add_ps(dot);
+    }
+  }
+}
+
+template <typename T, int64_t kD>
+inline void accumulate_block_avx512(const T* const* rows, int64_t off, int64_t n, const float* scores, int64_t G,
+                                    float* acc) {
+  constexpr int64_t V = kD / 16;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vr = rows[j] + off;
+    __m512 val[V];
+    for (int64_t v = 0; v < V; ++v) val[v] = load16(vr + 16 * v);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * kBlock + j]);
+      float* ag = acc + g * kD;
+      for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(ag + 16 * v, _mm512_fmadd_ps(p, val[v], _mm512_loadu_ps(ag + 16 * v)));
+    }
+  }
+}
+constexpr bool kVector = true;
+#else
+template <typename T, int64_t kD>
+inline void score_block_avx512(const T* const*, int64_t, int64_t, const float*, int64_t, float*) {}
+template <typename T, int64_t kD>
+inline void accumulate_block_avx512(const T* const*, int64_t, int64_t, const float*, int64_t, float*) {}
+constexpr bool kVector = false;
+#endif
 
 // kD > 0: the head dim as a compile-time constant (unrolled, vectorized loops); 0: any.
 template <typename T, int64_t kD>
@@ -109,14 +194,10 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
           if (++offset == S) offset = 0, ++page;
         }
         for (int64_t h = 0; h < KVH; ++h) {
-          for (int64_t j = 0; j < n; ++j) {
-            load_row(rows[j] + h * D, kf.data(), D);
-            for (int64_t g = 0; g < G; ++g) {
-              const float* qg = &qf[(h * G + g) * D];
-              float dot = 0.f;
-              for (int64_t d = 0; d < D; ++d) dot += qg[d] * kf[d];
-              scores[g * kBlock + j] = dot;
-            }
+          if constexpr (kVector && kD > 0 && kD % 16 == 0) {
+            score_block_avx512<T, kD>(rows, h * D, n, &qf[h * G * D], G, scores.data());
+          } else {
+            score_block<T, kD>(rows, h * D, n, &qf[h * G * D], G, D, kf.data(), scores.data());
           }
           for (int64_t g = 0; g < G; ++g) {
             const int64_t head = h * G + g;
@@ -134,13 +215,10 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
             float* ag = &acc[head * D];
             for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
           }
-          for (int64_t j = 0; j < n; ++j) {
-            load_row(rows[j] + half + h * D, kf.data(), D);  // its value: the page's V half
-            for (int64_t g = 0; g < G; ++g) {
-              const float p = scores[g * kBlock + j];
-              float* ag = &acc[(h * G + g) * D];
-              for (int64_t d = 0; d < D; ++d) ag[d] += p * kf[d];
-            }
+          if constexpr (kVector && kD > 0 && kD % 16 == 0) {  // the values: each page's V half
+            accumulate_block_avx512<T, kD>(rows, half + h * D, n, scores.data(), G, &acc[h * G * D]);
+          } else {
+            accumulate_block<T, kD>(rows, half + h * D, n, scores.data(), G, D, kf.data(), &acc[h * G * D]);
           }
         }
       }
