@@ -172,6 +172,8 @@ def test_compiled_decode_runs_under_half_the_ops(deep: TinyModel, dense_run: dic
             return region(bucket, layer, which, args)
 
         step._region = record  # type: ignore[method-assign]
+        step.bound.clear()  # each layer's calls through `_region` (bound to the same graphs)
+        step.use_direct = False
         pair.compiled.run([Chunk(ids[70:], pages, 71)])
         assert len(calls) == 2 * deep.config.num_layers
 
@@ -196,6 +198,7 @@ def test_compiled_graphs_are_called_without_dynamo(deep: TinyModel, dense_run: d
     with torch.compiler.set_stance("fail_on_recompile"):
         first = pair.run(steps)  # binds every (bucket, layer, region) these steps use
         assert pair.step.direct and all(call is not None for call in pair.step.direct.values())
+        assert set(pair.step.bound) == {4, 16}  # whole steps run through the bound graphs
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             second = pair.run(steps)
     names = {e.name for e in prof.events()}

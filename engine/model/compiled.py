@@ -124,6 +124,8 @@ class CompiledStep:
         # (bucket, layer, 0 = pre / 1 = post) -> the layer's graph called without dynamo.
         self.direct: dict[tuple[int, int, int], DirectCall | None] = {}
         self.use_direct = True
+        # bucket -> every layer's (pre, post) direct calls, once all are bound.
+        self.bound: dict[int, list[tuple[DirectCall, DirectCall]]] = {}
         cfg = model.config
         self.eps = cfg.rms_norm_eps
         self.layers: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
@@ -167,17 +169,27 @@ class CompiledStep:
         x = m.model.embed_tokens(input_ids)  # [bucket, hidden]
         cos, sin = m.rope.cos_sin(positions, x.dtype)
         residual = torch.zeros_like(x)
-        layers = zip(kv_caches, self.layers, self.attention, self.sparse, strict=True)
-        for i, (cache, (pre_args, post_args), (index, window), sparse) in enumerate(layers):
-            q, k, v, residual = self._region(bucket, i, 0, (x, residual, *pre_args, cos, sin, self.heads, self.eps))
-            if pad:
-                q, k, v = q[:T], k[:T], v[:T]
-            o = backend.forward(index, q, k, v, cache, window)  # [T, H, D]
-            if pad:
-                o = F.pad(o, (0, 0, 0, 0, 0, pad))
-            x, residual = self._region(bucket, i, 1, (o, residual, *post_args, self.eps))
-            if sparse is not None:
-                x = sparse(x)
+        bound = self.bound.get(bucket)
+        if bound is not None and not pad and cos.is_contiguous() and sin.is_contiguous():
+            x, residual = self._direct_layers(bound, x, residual, cos, sin, kv_caches, backend)
+        else:
+            layers = zip(kv_caches, self.layers, self.attention, self.sparse, strict=True)
+            for i, (cache, (pre_args, post_args), (index, window), sparse) in enumerate(layers):
+                pre = (x, residual, *pre_args, cos, sin, self.heads, self.eps)
+                q, kv, residual = self._region(bucket, i, 0, pre)
+                if pad:
+                    q, kv = q[:T], kv[:, :T]
+                o = backend.forward(index, q, kv[0], kv[1], cache, window)  # [T, H, D]
+                if pad:
+                    o = F.pad(o, (0, 0, 0, 0, 0, pad))
+                x, residual = self._region(bucket, i, 1, (o, residual, *post_args, self.eps))
+                if sparse is not None:
+                    x = sparse(x)
+            calls = [
+                (self.direct.get((bucket, i, 0)), self.direct.get((bucket, i, 1))) for i in range(len(self.layers))
+            ]
+            if self.use_direct and all(pre is not None and post is not None for pre, post in calls):
+                self.bound[bucket] = cast("list[tuple[DirectCall, DirectCall]]", calls)
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         elif pad:
@@ -186,6 +198,28 @@ class CompiledStep:
         logits = m.head(m.model.norm(h))
         self.compiled_buckets.add(bucket)
         return logits.float()
+
+    def _direct_layers(
+        self,
+        bound: list[tuple[DirectCall, DirectCall]],
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer of an unpadded step through its bound graphs; (x, residual) after the last."""
+        layers = zip(kv_caches, bound, self.attention, self.sparse, strict=True)
+        for cache, (pre, post), (index, window), sparse in layers:
+            if not (x.is_contiguous() and residual.is_contiguous()):
+                x, residual = x.contiguous(), residual.contiguous()
+            q, kv, residual = pre(x, residual, cos, sin)
+            o = backend.forward(index, q, kv[0], kv[1], cache, window)  # [T, H, D]
+            x, residual = post(o if o.is_contiguous() else o.contiguous(), residual)
+            if sparse is not None:
+                x = sparse(x)
+        return x, residual
 
     def _region(self, bucket: int, layer: int, which: int, args: tuple[Any, ...]) -> Any:
         """Layer `layer`'s call of region `which` (0 = pre_attention, 1 = post_attention), whose

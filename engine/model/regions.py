@@ -67,8 +67,8 @@ def pre_attention(
     sin: torch.Tensor,
     heads: tuple[int, int, int],
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x, residual) [T, hidden] -> (q [T, H, D], k [T, KVH, D], v [T, KVH, D], h = x + residual)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, residual) [T, hidden] -> (q [T, H, D], kv [2, T, KVH, D] (k, then v), h = x + residual)."""
     H, KVH, D = heads
     T = x.shape[0]
     h = x + residual
@@ -79,7 +79,9 @@ def pre_attention(
         qk = y[:, : H + KVH]
     qk = torch.addcmul(qk * cos, torch.roll(qk, D // 2, dims=-1), sin)
     kv = torch.stack((qk[:, H:], y[:, H + KVH :]))  # one buffer, v after k: one KV write (`write_kv`)
-    return qk[:, :H], kv[0], kv[1], h
+    # Outputs are their own buffers, no views of another (views would be rebuilt in Python by
+    # the compiled graph's wrapper on every call).
+    return qk[:, :H].clone(), kv, h
 
 
 def post_attention(
