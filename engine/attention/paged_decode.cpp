@@ -173,6 +173,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
   at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), kf(D), scores(G * kBlock);
     const T* rows[kBlock];
+    const T* ahead[kBlock];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t c = task % C, b = task / C;
       const int64_t t0 = c * chunk, t1 = std::min(lp[b], t0 + chunk);
@@ -187,11 +188,27 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
       const int32_t* table = pp + b * N;
       const int64_t start = sp[b];
       int64_t page = (start + t0) / S, offset = (start + t0) % S;  // of the next key
+      auto next_rows = [&](const T** out, int64_t count) {
+        for (int64_t j = 0; j < count; ++j) {
+          out[j] = cp + static_cast<int64_t>(table[page]) * 2 * half + offset * row;
+          if (++offset == S) offset = 0, ++page;
+        }
+      };
+      next_rows(ahead, std::min(kBlock, t1 - t0));
       for (int64_t k0 = t0; k0 < t1; k0 += kBlock) {
         const int64_t n = std::min(kBlock, t1 - k0);
-        for (int64_t j = 0; j < n; ++j) {
-          rows[j] = cp + static_cast<int64_t>(table[page]) * 2 * half + offset * row;
-          if (++offset == S) offset = 0, ++page;
+        std::copy(ahead, ahead + n, rows);
+        // The next block's rows, requested from memory while this one computes (its pages
+        // need not be adjacent, which defeats the hardware prefetcher at each page boundary).
+        const int64_t n_next = std::min(kBlock, t1 - k0 - n);
+        next_rows(ahead, std::max<int64_t>(n_next, 0));
+        for (int64_t j = 0; j < n_next; ++j) {
+          const char* k_row = reinterpret_cast<const char*>(ahead[j]);
+          const char* v_row = reinterpret_cast<const char*>(ahead[j] + half);
+          for (int64_t byte = 0; byte < row * static_cast<int64_t>(sizeof(T)); byte += 64) {
+            __builtin_prefetch(k_row + byte);
+            __builtin_prefetch(v_row + byte);
+          }
         }
         for (int64_t h = 0; h < KVH; ++h) {
           if constexpr (kVector && kD > 0 && kD % 16 == 0) {
