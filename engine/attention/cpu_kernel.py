@@ -1,10 +1,11 @@
 """Building and loading `paged_decode.cpp`, the CPU decode-attention kernel, as torch ops.
 
 The source is compiled once with the C++ compiler inductor also uses (g++), against the
-installed torch's headers and libraries, into `<build dir>/paged_decode-<hash>.so`; the hash
-covers the source, the flags, the torch version and the compiler, so a change of any of them
-builds anew and a second start only loads the file. Without a compiler (or if the build
-fails) `load` returns None with one warning and attention uses the SDPA path.
+installed torch's headers and libraries, into `<build dir>/paged_decode-<hash>.so`. The hash
+covers the source, the flags, the torch version, the compiler and the CPU's instruction sets
+(`-march=native`), so a change of any of them builds anew and a second start only loads the
+file. Without a compiler (or if the build fails) `load` returns None with one warning and
+attention uses the SDPA path.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -55,6 +57,19 @@ def _compiler() -> str | None:
 
 
 @functools.cache
+def _cpu_flags() -> str:
+    """The CPU's instruction set extensions (`-march=native` builds for them): a build made on
+    another machine under a shared `$LONGCTX_HOME` is not loaded here."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.machine()
+
+
+@functools.cache
 def _compiler_version(cxx: str) -> str:
     try:
         return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -85,7 +100,7 @@ def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
             log.warning("decode attention kernel not built (%s); using SDPA", _failed)
             return None
         digest = hashlib.sha256(SOURCE.read_bytes())
-        for part in (*CFLAGS, torch.__version__, _compiler_version(cxx)):
+        for part in (*CFLAGS, torch.__version__, _compiler_version(cxx), _cpu_flags()):
             digest.update(part.encode())
         so = build_dir / f"paged_decode-{digest.hexdigest()[:16]}.so"
         try:
