@@ -52,7 +52,8 @@ _store: Callable[..., None] | None = None
 _failed: str | None = None
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler to build with: `$CXX`, else g++ or c++ on PATH (inductor's choice too)."""
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
@@ -94,7 +95,7 @@ def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
     with _lock:
         if _op is not None or _failed is not None:
             return _op
-        cxx = _compiler()
+        cxx = compiler()
         if cxx is None:
             _failed = "no C++ compiler (g++) on PATH"
             log.warning("decode attention kernel not built (%s); using SDPA", _failed)

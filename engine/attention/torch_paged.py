@@ -119,18 +119,23 @@ class TorchPagedBackend(AttentionBackend):
             )
         return first
 
-    def _kernel_read(self, window: int | None) -> _KernelRead:
-        S = self.page_size
+    def _decode_pages(self, window: int | None) -> tuple[list[int], torch.Tensor]:
+        """Per decoding sequence the first logical page its query reads, and those pages on:
+        [B, n] int32, padded with page 0 to the longest (a lone sequence's table as a view)."""
         firsts = [self._first_page(s, s.kv_len - 1, window) for s in self.decodes]
-        tokens = [_first_token(s.kv_len - 1, window) for s in self.decodes]
         if len(self.decodes) == 1:
             s, first = self.decodes[0], firsts[0]
-            pages = s.pages[first - s.first_page :].view(1, -1)
-        else:
-            counts = [len(s.pages) - (f - s.first_page) for s, f in zip(self.decodes, firsts, strict=True)]
-            pages = torch.zeros(len(self.decodes), max(counts), dtype=torch.int32, device=self.device)
-            for i, (s, f, c) in enumerate(zip(self.decodes, firsts, counts, strict=True)):
-                pages[i, :c] = s.pages[f - s.first_page :]
+            return firsts, s.pages[first - s.first_page :].view(1, -1)
+        counts = [len(s.pages) - (f - s.first_page) for s, f in zip(self.decodes, firsts, strict=True)]
+        padded = torch.zeros(len(self.decodes), max(counts), dtype=torch.int32, device=self.device)
+        for i, (s, f, c) in enumerate(zip(self.decodes, firsts, counts, strict=True)):
+            padded[i, :c] = s.pages[f - s.first_page :]
+        return firsts, padded
+
+    def _kernel_read(self, window: int | None) -> _KernelRead:
+        S = self.page_size
+        firsts, pages = self._decode_pages(window)
+        tokens = [_first_token(s.kv_len - 1, window) for s in self.decodes]
         lengths = [s.kv_len - t for s, t in zip(self.decodes, tokens, strict=True)]
         spans = torch.tensor([[t - f * S for t, f in zip(tokens, firsts, strict=True)], lengths], dtype=torch.int64)
         tasks = -(-TASKS_PER_THREAD * torch.get_num_threads() // len(self.decodes))  # chunks per sequence
@@ -139,19 +144,13 @@ class TorchPagedBackend(AttentionBackend):
 
     def _decode_read(self, window: int | None) -> _Read:
         S = self.page_size
-        firsts = [self._first_page(s, s.kv_len - 1, window) for s in self.decodes]  # first page read
+        firsts, pages = self._decode_pages(window)
+        n = pages.shape[1]
+        k, v = self._rows(pages.reshape(-1))
         if len(self.decodes) == 1:
             s, first = self.decodes[0], firsts[0]
-            k, v = self._rows(s.pages[first - s.first_page :])
             start = _first_token(s.kv_len - 1, window) - first * S
-            n = len(s.pages) - (first - s.first_page)
             return _Read(k, v, n, start, s.kv_len - first * S - start, None, False)
-        counts = [len(s.pages) - (f - s.first_page) for s, f in zip(self.decodes, firsts, strict=True)]
-        n = max(counts)
-        padded = torch.zeros(len(self.decodes), n, dtype=torch.int32, device=self.device)
-        for i, (s, f, c) in enumerate(zip(self.decodes, firsts, counts, strict=True)):
-            padded[i, :c] = s.pages[f - s.first_page :]
-        k, v = self._rows(padded.view(-1))
         offs = torch.tensor([f * S for f in firsts], device=self.device)[:, None]  # [B, 1]
         kv_pos = offs + torch.arange(n * S, device=self.device)[None, :]  # [B, L]
         q_pos = torch.tensor([s.kv_len - 1 for s in self.decodes], device=self.device)[:, None]
@@ -219,7 +218,10 @@ class TorchPagedBackend(AttentionBackend):
                 if queries.stride(-1) != 1 or queries.stride(-2) != queries.shape[-1]:
                     queries = queries.contiguous()
                 return self.kernel(queries, cache, r.pages, r.starts, r.lengths, self.scale, r.chunk)
-            read = decode if isinstance(decode, _Read) else self._decode_read(window)  # (a dtype the kernel lacks)
+            read = decode
+            if not isinstance(read, _Read):  # a dtype the kernel lacks: SDPA's read, kept for the other layers
+                read = self._decode_read(window)
+                self._reads[window] = (read, prefills)
             keys, values = gather(read, len(self.decodes))
             return self._decode(queries, keys, values, read.mask)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import subprocess
 import sysconfig
 import time
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import cpu_kernel
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.model.direct import DirectCall, Region
 from engine.model.layers import DenseMLP
@@ -47,7 +47,7 @@ RECOMPILE_LIMIT = 64
 @functools.cache
 def compile_available() -> str | None:
     """None when inductor's CPU backend can build here; else why not (no C++ compiler, no headers)."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    cxx = cpu_kernel.compiler()
     if cxx is None:
         return "no C++ compiler (g++) on PATH"
     include = Path(sysconfig.get_paths()["include"]) / "Python.h"
