@@ -9,6 +9,9 @@ pays for the C++ builds.
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,10 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from engine.model.compiled import CompiledStep, compile_available, configure
+from engine.loading.weights import SafetensorsSource, load_model
+from engine.model.compiled import CompiledStep, compile_available, configure, prepare
+from engine.model.graph_store import NativeGraph
+from engine.model.quant import QuantConfig
 from engine.model.regions import post_attention, pre_attention
 from engine.model_runner import Chunk
 from kvstore.block_pool import BlockPool
@@ -43,11 +49,19 @@ MOE_STEPS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def graph_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The graph store: new per session, so that the first run of each model here traces its
+    graphs through dynamo (and counts them); inductor's FX cache is kept across sessions."""
+    return tmp_path_factory.mktemp("graphs")
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _setup(request: pytest.FixtureRequest) -> Iterator[None]:
+def _setup(request: pytest.FixtureRequest, graph_dir: Path) -> Iterator[None]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    configure(Path(request.config.cache.mkdir("longctx-compile")))
+    configure(Path(request.config.cache.mkdir("longctx-compile")), graph_dir)
+    prepare()
     yield
     torch.set_num_threads(threads)
 
@@ -129,6 +143,27 @@ def test_moe_compiled_equals_eager(tmp_path: Path) -> None:
     assert not counters["graph_break"]
 
 
+def test_int4_compiled_equals_eager_and_reloads_from_the_store(dense: TinyModel) -> None:
+    """int4 weight-only linears (float32 activations): the compiled step equals the eager one.
+    inductor gives their graphs a constant (the group size as a tensor) that its own wrapper
+    appends to each call; the direct calls append it too, and so does a second model whose
+    layers bind from the graph store (the constant read back from disk)."""
+    steps = [{0: (0, 70)}, {0: (70, 1)}, {0: (71, 1)}]
+    runs = []
+    for _ in range(2):
+        model, _ = load_model(
+            dense.config, SafetensorsSource(dense.path), torch.float32, progress=False,
+            quantization=QuantConfig("int4", 32),
+        )  # fmt: skip
+        pair = Pair(TinyModel(dense.ref, dense.path, dense.config, model))
+        runs.append(pair.run(steps))
+        calls = [c for layers in pair.step.bound.values() for layer in layers for c in layer]
+        assert set(pair.step.bound) == {1} and all(isinstance(c.fn, NativeGraph) for c in calls)
+        assert any(c.fn.constants for c in calls)  # type: ignore[union-attr]
+    for (eager, a), (_, b) in zip(*runs, strict=True):
+        assert _rel(eager, a) <= 1e-5 and torch.equal(a, b)
+
+
 def _outermost_ops(fn: Callable[[], object]) -> int:
     """Operator calls (aten::, mkldnn::, ...) that `fn` makes and no other operator made."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -191,21 +226,78 @@ def test_compiled_decode_runs_under_half_the_ops(deep: TinyModel, dense_run: dic
 
 
 def test_compiled_graphs_are_called_without_dynamo(deep: TinyModel, dense_run: dict[str, Any]) -> None:
-    """Once a layer's first call through dynamo has bound its graph, a step calls the graphs
-    directly: no guard evaluation, and the same logits as the calls through dynamo."""
+    """Once a layer's graph is bound (here from the graph store, which `dense_run` filled with
+    the same shapes' graphs), a step calls the graphs' C++ entry points directly: no guard
+    evaluation, no AOTAutograd or inductor wrapper, and the same logits as the calls through dynamo."""
     pair = Pair(deep)
     steps = DENSE_STEPS[:3]
     with torch.compiler.set_stance("fail_on_recompile"):
         first = pair.run(steps)  # binds every (bucket, layer, region) these steps use
-        assert pair.step.direct and all(call is not None for call in pair.step.direct.values())
+        calls = pair.step.direct.values()
+        assert calls and all(call is not None and isinstance(call.fn, NativeGraph) for call in calls)
         assert set(pair.step.bound) == {4, 16}  # whole steps run through the bound graphs
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             second = pair.run(steps)
     names = {e.name for e in prof.events()}
-    assert not [n for n in names if "Dynamo" in n or "Torch-Compiled Region" in n], sorted(names)
-    assert any("CompiledFxGraph" in n for n in names), sorted(names)
+    wrappers = ("Dynamo", "Torch-Compiled Region", "CompiledFxGraph")
+    assert not [n for n in names if any(w in n for w in wrappers)], sorted(names)
     for (eager, a), (_, b) in zip(first, second, strict=True):
         assert _rel(eager, a) <= 1e-5 and torch.equal(a, b)
+
+
+STORED_START = """
+import json, sys
+from pathlib import Path
+import torch
+from engine.loading.weights import SafetensorsSource, load_model
+from engine.loading.weights import SafetensorsSource, load_model
+from engine.model.compiled import CompiledStep, configure
+from engine.model.config import ModelConfig
+from engine.model.graph_store import NativeGraph
+from engine.model.quant import QuantConfig
+from engine.model_runner import Chunk
+from kvstore.block_pool import BlockPool
+from tests.tiny_models import make_runner
+
+torch.set_num_threads(1)
+home, graphs, model_dir = map(Path, sys.argv[1:])
+configure(home, graphs)
+config = ModelConfig.from_pretrained_dir(model_dir)
+model, _ = load_model(config, SafetensorsSource(model_dir), torch.float32, progress=False)
+eager, compiled = make_runner(config, model), make_runner(config, model)
+compiled.step = step = CompiledStep(model)
+step.warm_up(16, buckets=(1, 4, 16))
+native = all(isinstance(c.fn, NativeGraph) for layers in step.bound.values() for pair in layers for c in pair)
+ids = torch.randint(0, config.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+errors = []
+for runner in (eager, compiled):
+    pages = BlockPool(runner.kv_cache.num_pages).allocate(2)
+    runner.run([Chunk(ids[:16], pages, 16)])
+    errors.append(runner.run([Chunk(ids[16:20], pages, 20)], all_logits=True))
+print(json.dumps({
+    "modules": sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules),
+    "bound": sorted(step.bound), "native": native,
+    "error": float((errors[0] - errors[1]).abs().max() / errors[0].abs().max()),
+}))
+"""
+
+
+def test_start_with_stored_graphs_imports_neither_dynamo_nor_inductor(
+    dense: TinyModel, dense_run: dict[str, Any], graph_dir: Path, tmp_path: Path
+) -> None:
+    """A new process whose graphs are all in the store (`dense_run` put buckets 1, 4 and 16
+    there) binds every layer from it: dynamo and inductor are never imported, and the compiled
+    step still equals the eager one."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", STORED_START, str(tmp_path), str(graph_dir), str(dense.path)],
+        capture_output=True, text=True, cwd=root, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["modules"] == [], result
+    assert result["bound"] == [1, 4, 16] and result["native"], result
+    assert result["error"] <= 1e-5, result
 
 
 def test_compile_flags() -> None:

@@ -21,10 +21,10 @@ def reference(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_len: int, window: int | None
 ) -> torch.Tensor:
     """q [n, H, D] for the last n positions of a kv_len context; keys/values [kv_len, KVH, D]."""
-    n = q.shape[0]
-    k = keys.repeat_interleave(H // KVH, dim=1)  # [L, H, D]
-    v = values.repeat_interleave(H // KVH, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)
+    n, heads, dim = q.shape
+    k = keys.repeat_interleave(heads // keys.shape[1], dim=1)  # [L, H, D]
+    v = values.repeat_interleave(heads // keys.shape[1], dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim)
     q_pos = torch.arange(kv_len - n, kv_len)[:, None]
     kv_pos = torch.arange(kv_len)[None, :]
     allowed = kv_pos <= q_pos
@@ -150,10 +150,15 @@ def test_kv_written_in_one_call(monkeypatch: pytest.MonkeyPatch, kernel: bool) -
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_over_random_batches(monkeypatch: pytest.MonkeyPatch, seed: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("heads", [(H, KVH, D), (9, 3, 64), (8, 1, 128)], ids=["d16", "d64", "d128"])
+def test_decode_kernel_over_random_batches(
+    monkeypatch: pytest.MonkeyPatch, seed: int, dtype: torch.dtype, heads: tuple[int, int, int]
+) -> None:
     """The decode kernel on random decode batches: shuffled pages, pages released before a
     sliding window, lengths up to 700 keys cut into chunks of 16 to 64 (merged by log-sum-exp),
-    against float64 attention."""
+    against float64 attention; head dims 64 and 128 take the vector code (any other the plain
+    loops), and larger batches the thread pool (small ones run on the calling thread)."""
+    H, KVH, D = heads
     g = torch.Generator().manual_seed(seed)
     monkeypatch.setattr(torch_paged, "MIN_CHUNK", int(torch.randint(16, 65, (1,), generator=g)))
     monkeypatch.setattr(torch_paged, "TASKS_PER_THREAD", 64)
@@ -169,7 +174,8 @@ def test_decode_kernel_over_random_batches(monkeypatch: pytest.MonkeyPatch, seed
     meta = AttentionMetadata.from_tables(tables, firsts, [1] * B, kv_lens, S)
     cache = torch.randn(1000, 2, S, KVH, D, generator=g).to(dtype)
     q, k, v = (torch.randn(B, h, D, generator=g).to(dtype) for h in (H, KVH, KVH))
-    backend = _backend(True)
+    backend = TorchPagedBackend(H, KVH, D)
+    assert backend.kernel is not None
     backend.plan(meta)
     out = backend.forward(0, q, k, v, cache, window)
     for b, (kv, first) in enumerate(zip(kv_lens, firsts, strict=True)):

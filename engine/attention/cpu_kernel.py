@@ -58,9 +58,9 @@ def compiler() -> str | None:
 
 
 @functools.cache
-def _cpu_flags() -> str:
-    """The CPU's instruction set extensions (`-march=native` builds for them): a build made on
-    another machine under a shared `$LONGCTX_HOME` is not loaded here."""
+def cpu_flags() -> str:
+    """The CPU's instruction set extensions (`-march=native` builds, and inductor's graphs, target
+    them): a build made on another machine under a shared `$LONGCTX_HOME` is not loaded here."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -71,7 +71,7 @@ def _cpu_flags() -> str:
 
 
 @functools.cache
-def _compiler_version(cxx: str) -> str:
+def compiler_version(cxx: str) -> str:
     try:
         return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -101,7 +101,7 @@ def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
             log.warning("decode attention kernel not built (%s); using SDPA", _failed)
             return None
         digest = hashlib.sha256(SOURCE.read_bytes())
-        for part in (*CFLAGS, torch.__version__, _compiler_version(cxx), _cpu_flags()):
+        for part in (*CFLAGS, torch.__version__, compiler_version(cxx), cpu_flags()):
             digest.update(part.encode())
         so = build_dir / f"paged_decode-{digest.hexdigest()[:16]}.so"
         try:

@@ -32,6 +32,19 @@
 namespace {
 
 constexpr int64_t kBlock = 32;  // keys scored before their softmax update
+// Below this many elements of work a loop runs on the calling thread: waking the pool's
+// threads costs more than a short context's attention (a few microseconds per region).
+constexpr int64_t kParallelFrom = 1 << 16;
+
+// at::parallel_for over [0, n) when `work` is worth the threads, else inline.
+template <typename F>
+void maybe_parallel(int64_t n, int64_t work, const F& f) {
+  if (n <= 1 || work < kParallelFrom) {
+    f(0, n);
+  } else {
+    at::parallel_for(0, n, 1, f);
+  }
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -170,7 +183,9 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
   const int64_t half = S * row;  // K or V of one page
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
+  int64_t total_len = 0;
+  for (int64_t b = 0; b < B; ++b) total_len += lp[b];
+  maybe_parallel(B * C, total_len * H * D, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), kf(D), scores(G * kBlock);
     const T* rows[kBlock];
     const T* ahead[kBlock];
@@ -243,7 +258,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
   });
 
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  maybe_parallel(B * H, B * H * C * D, [&](int64_t begin, int64_t end) {
     std::vector<float> o(D);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, head = bh % H;

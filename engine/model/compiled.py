@@ -5,8 +5,9 @@ Steps are padded to a static bucket of token counts (`BUCKETS`); steps with more
 eager model. Each region is one compiled function shared by every layer (weights are inputs),
 so a model makes at most `regions x buckets` graphs, all compiled by `warm_up` at start. A
 recompile past that is an error, never a silent fall back to eager: `fail_on_recompile_limit_hit`.
-Graphs are cached by inductor's FX graph cache under `$LONGCTX_HOME/compile`, so a second start
-only retraces and loads them.
+Graphs are cached by inductor's FX graph cache under `$LONGCTX_HOME/compile/inductor`, and each
+graph a layer is bound to is also kept in `$LONGCTX_HOME/compile/graphs` (`graph_store.py`), so a
+second start loads them without tracing.
 
 The MoE experts stay eager (data-dependent routing: per-expert token counts vary per step); an
 MoE layer compiles o_proj -> residual -> norm and runs its sparse block eager. Under tensor
@@ -31,7 +32,8 @@ from torch import nn
 
 from engine.attention import cpu_kernel
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.model.direct import DirectCall, Region
+from engine.model.direct import DirectCall, Region, current_store, use_store
+from engine.model.graph_store import GraphStore
 from engine.model.layers import DenseMLP
 from engine.model.model import CausalLM, DecoderLayer
 from engine.model.regions import LinearSpec, linear_spec, post_attention, pre_attention
@@ -60,21 +62,29 @@ def compile_available() -> str | None:
     return None
 
 
-def configure(home: Path) -> Path:
-    """Point inductor's caches at `home/compile` (`$LONGCTX_HOME/compile` in the engine) and set
-    the compile options; call before the first compile. Returns the cache directory."""
-    import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
-
+def configure(home: Path, graphs: Path | None = None) -> Path:
+    """Point inductor's caches at `home/compile` (`$LONGCTX_HOME/compile` in the engine) and the
+    graph store at `graphs` (default `home/compile/graphs`); call before the first compile.
+    Dynamo and inductor themselves are set up (and imported) only when a graph is traced:
+    a start whose graphs are all stored never imports them. Returns the cache directory."""
     cache = home / "compile"
     cache.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
+    use_store(GraphStore(graphs or cache / "graphs"))
+    return cache
+
+
+@functools.cache
+def prepare() -> None:
+    """The compile options, set once before the first trace (this imports dynamo and inductor)."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
     inductor_config.fx_graph_cache = True
     inductor_config.cpp_wrapper = True  # C++ wrapper: no Python between the kernels of a region
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     dynamo_config.fail_on_recompile_limit_hit = True
     _packed_linear_as_fallback()
-    return cache
 
 
 @functools.cache
@@ -108,7 +118,7 @@ def bucket_for(num_tokens: int) -> int | None:
 
 @functools.cache
 def _compiled(fn: Callable[..., Any]) -> Region:
-    return Region(fn)
+    return Region(fn, prepare)
 
 
 class CompiledStep:
@@ -258,5 +268,9 @@ class CompiledStep:
             with torch.inference_mode():
                 self(torch.zeros(b, dtype=torch.int64, device=device), meta, caches, backend)
         seconds = time.perf_counter() - t0
-        log.info("compiled %d step buckets in %.1fs", len(buckets), seconds)
+        traced = len({(b, w) for (b, _, w), call in self.direct.items() if call is not None and not call.stored})
+        log.info(
+            "compiled %d step buckets in %.1fs (%d graphs traced, the others loaded from %s)",
+            len(buckets), seconds, traced, current_store() or "nowhere",
+        )  # fmt: skip
         return seconds
