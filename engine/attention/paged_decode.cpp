@@ -27,11 +27,16 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 32;  // keys scored before their softmax update
+// Keys between a key's prefetch and its read, and the prefetch's locality hint: into L2 and
+// the last level (not L1), a few blocks ahead, measured best for reads from DRAM.
+constexpr int64_t kAhead = 128;
+constexpr int kLocality = 1;
 // Below this many elements of work a loop runs on the calling thread: waking the pool's
 // threads costs more than a short context's attention (a few microseconds per region).
 constexpr int64_t kParallelFrom = 1 << 16;
@@ -119,6 +124,38 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// exp_nonpositive on 16 floats: the same polynomial, the power of two applied by VSCALEFPS.
+inline __m512 exp_nonpositive_ps(__m512 x) {
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)), _mm512_set1_ps(-126.f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(2.1690609e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2443082e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6784728e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5483524e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022980e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314700e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, fi);
+}
+
+// One query's block of n <= kBlock = 32 scores, in place: the new running max (from `m`) is
+// returned, the scores become exp(score - max), and their sum goes to *sum.
+inline float softmax_block_avx512(float* s, int64_t n, float m, float* sum) {
+  static_assert(kBlock == 32, "two vectors per block");
+  const __mmask16 m0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  const __mmask16 m1 = n >= 32 ? 0xFFFF : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
+  const __m512 s0 = _mm512_maskz_loadu_ps(m0, s), s1 = _mm512_maskz_loadu_ps(m1, s + 16);
+  const float bm = std::max({m, _mm512_mask_reduce_max_ps(m0, s0), _mm512_mask_reduce_max_ps(m1, s1)});
+  const __m512 b = _mm512_set1_ps(bm);
+  const __m512 p0 = _mm512_maskz_mov_ps(m0, exp_nonpositive_ps(_mm512_sub_ps(s0, b)));
+  const __m512 p1 = _mm512_maskz_mov_ps(m1, exp_nonpositive_ps(_mm512_sub_ps(s1, b)));
+  _mm512_storeu_ps(s, p0);
+  _mm512_storeu_ps(s + 16, p1);
+  *sum = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  return bm;
+}
+
 template <typename T, int64_t kD>
 inline void score_block_avx512(const T* const* rows, int64_t off, int64_t n, const float* qf, int64_t G,
                                float* scores) {
@@ -136,28 +173,129 @@ inline void score_block_avx512(const T* const* rows, int64_t off, int64_t n, con
   }
 }
 
-template <typename T, int64_t kD>
-inline void accumulate_block_avx512(const T* const* rows, int64_t off, int64_t n, const float* scores, int64_t G,
-                                    float* acc) {
+// acc[g] += sum_j p[g][j] v_j with GN queries' outputs held in registers over the block (a
+// store and reload per key would chain every key's update to the previous one's).
+template <typename T, int64_t kD, int64_t GN>
+inline void accumulate_queries_avx512(const T* const* rows, int64_t off, int64_t n, const float* scores, float* acc) {
   constexpr int64_t V = kD / 16;
+  __m512 a[GN][V];
+  for (int64_t g = 0; g < GN; ++g)
+    for (int64_t v = 0; v < V; ++v) a[g][v] = _mm512_loadu_ps(acc + g * kD + 16 * v);
   for (int64_t j = 0; j < n; ++j) {
     const T* vr = rows[j] + off;
     __m512 val[V];
     for (int64_t v = 0; v < V; ++v) val[v] = load16(vr + 16 * v);
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < GN; ++g) {
       const __m512 p = _mm512_set1_ps(scores[g * kBlock + j]);
-      float* ag = acc + g * kD;
-      for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(ag + 16 * v, _mm512_fmadd_ps(p, val[v], _mm512_loadu_ps(ag + 16 * v)));
+      for (int64_t v = 0; v < V; ++v) a[g][v] = _mm512_fmadd_ps(p, val[v], a[g][v]);
+    }
+  }
+  for (int64_t g = 0; g < GN; ++g)
+    for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc + g * kD + 16 * v, a[g][v]);
+}
+
+template <typename T, int64_t kD>
+inline void accumulate_block_avx512(const T* const* rows, int64_t off, int64_t n, const float* scores, int64_t G,
+                                    float* acc) {
+  constexpr int64_t GB = kD <= 64 ? 4 : 2;  // queries per pass: 16 accumulators (4 x D 64 or 2 x D 128)
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const float* sg = scores + g0 * kBlock;
+    float* ag = acc + g0 * kD;
+    switch (std::min(GB, G - g0)) {
+      case 1: accumulate_queries_avx512<T, kD, 1>(rows, off, n, sg, ag); break;
+      case 2: accumulate_queries_avx512<T, kD, 2>(rows, off, n, sg, ag); break;
+      case 3: accumulate_queries_avx512<T, kD, 3>(rows, off, n, sg, ag); break;
+      default: accumulate_queries_avx512<T, kD, GB>(rows, off, n, sg, ag); break;
     }
   }
 }
+
+#if defined(__AVX512BF16__)
+// bf16 scores by VDPBF16PS: each instruction multiplies 32 bf16 pairs exactly and adds them in
+// float32, so a key row is used as stored (no conversion) against the unscaled bf16 queries;
+// the scale is applied to the sums. GN queries stay in registers over the block.
+// The sums of 16 vectors' elements, in one vector (element j = the sum of d[j]): a tree of
+// unpacks and lane shuffles, ~3 instructions per vector instead of a horizontal add each.
+inline __m512 sum16(__m512* d) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of four vectors, in order
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // lanes across vectors: [u0 0+1, u0 2+3, u1 0+1, u1 2+3], then whole sums
+  const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+}
+
+template <int64_t kD>
+inline __m512 dot_bf16(const c10::BFloat16* kr, const __m512bh* q) {
+  constexpr int64_t W = kD / 32;
+  __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(kr), q[0]);
+  for (int64_t w = 1; w < W; ++w) dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(kr + 32 * w), q[w]);
+  return dot;
+}
+
+// bf16 scores by VDPBF16PS: each instruction multiplies 32 bf16 pairs exactly and adds them in
+// float32, so a key row is used as stored (no conversion) against the unscaled bf16 queries;
+// the scale is applied to the sums. GN queries stay in registers over the block.
+template <int64_t kD, int64_t GN>
+inline void score_queries_bf16(const c10::BFloat16* const* rows, int64_t off, int64_t n, const c10::BFloat16* q,
+                               float scale, float* scores) {
+  constexpr int64_t W = kD / 32;
+  __m512bh qv[GN][W];
+  for (int64_t g = 0; g < GN; ++g)
+    for (int64_t w = 0; w < W; ++w) qv[g][w] = (__m512bh)_mm512_loadu_si512(q + g * kD + 32 * w);
+  const __m512 sv = _mm512_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {  // 16 keys at a time, their sums reduced together
+    for (int64_t g = 0; g < GN; ++g) {
+      __m512 d[16];
+      for (int64_t i = 0; i < 16; ++i) d[i] = dot_bf16<kD>(rows[j + i] + off, qv[g]);
+      _mm512_storeu_ps(scores + g * kBlock + j, _mm512_mul_ps(sum16(d), sv));
+    }
+  }
+  for (; j < n; ++j)
+    for (int64_t g = 0; g < GN; ++g)
+      scores[g * kBlock + j] = _mm512_reduce_add_ps(dot_bf16<kD>(rows[j] + off, qv[g])) * scale;
+}
+
+template <int64_t kD>
+inline void score_block_bf16(const c10::BFloat16* const* rows, int64_t off, int64_t n, const c10::BFloat16* q,
+                             int64_t G, float scale, float* scores) {
+  constexpr int64_t GB = 4;
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const c10::BFloat16* qg = q + g0 * kD;
+    float* sg = scores + g0 * kBlock;
+    switch (std::min(GB, G - g0)) {
+      case 1: score_queries_bf16<kD, 1>(rows, off, n, qg, scale, sg); break;
+      case 2: score_queries_bf16<kD, 2>(rows, off, n, qg, scale, sg); break;
+      case 3: score_queries_bf16<kD, 3>(rows, off, n, qg, scale, sg); break;
+      default: score_queries_bf16<kD, GB>(rows, off, n, qg, scale, sg); break;
+    }
+  }
+}
+constexpr bool kBF16Dot = true;
+#else
+template <int64_t kD>
+inline void score_block_bf16(const c10::BFloat16* const*, int64_t, int64_t, const c10::BFloat16*, int64_t, float,
+                             float*) {}
+constexpr bool kBF16Dot = false;
+#endif
 constexpr bool kVector = true;
 #else
 template <typename T, int64_t kD>
 inline void score_block_avx512(const T* const*, int64_t, int64_t, const float*, int64_t, float*) {}
 template <typename T, int64_t kD>
 inline void accumulate_block_avx512(const T* const*, int64_t, int64_t, const float*, int64_t, float*) {}
+template <int64_t kD>
+inline void score_block_bf16(const c10::BFloat16* const*, int64_t, int64_t, const c10::BFloat16*, int64_t, float,
+                             float*) {}
+inline float softmax_block_avx512(float*, int64_t, float m, float*) { return m; }
 constexpr bool kVector = false;
+constexpr bool kBF16Dot = false;
 #endif
 
 // kD > 0: the head dim as a compile-time constant (unrolled, vectorized loops); 0: any.
@@ -188,7 +326,6 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
   maybe_parallel(B * C, total_len * H * D, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), kf(D), scores(G * kBlock);
     const T* rows[kBlock];
-    const T* ahead[kBlock];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t c = task % C, b = task / C;
       const int64_t t0 = c * chunk, t1 = std::min(lp[b], t0 + chunk);
@@ -209,24 +346,29 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
           if (++offset == S) offset = 0, ++page;
         }
       };
-      next_rows(ahead, std::min(kBlock, t1 - t0));
+      // Keys are requested from memory kAhead keys before they are read (their pages need
+      // not be adjacent, which defeats the hardware prefetcher at each page boundary).
+      int64_t pf_key = t0, pf_page = page, pf_offset = offset;
+      auto prefetch_until = [&](int64_t until) {
+        for (until = std::min(until, t1); pf_key < until; ++pf_key) {
+          const char* k_row = reinterpret_cast<const char*>(cp + static_cast<int64_t>(table[pf_page]) * 2 * half +
+                                                            pf_offset * row);
+          const char* v_row = k_row + half * static_cast<int64_t>(sizeof(T));
+          for (int64_t byte = 0; byte < row * static_cast<int64_t>(sizeof(T)); byte += 64) {
+            __builtin_prefetch(k_row + byte, 0, kLocality);
+            __builtin_prefetch(v_row + byte, 0, kLocality);
+          }
+          if (++pf_offset == S) pf_offset = 0, ++pf_page;
+        }
+      };
       for (int64_t k0 = t0; k0 < t1; k0 += kBlock) {
         const int64_t n = std::min(kBlock, t1 - k0);
-        std::copy(ahead, ahead + n, rows);
-        // The next block's rows, requested from memory while this one computes (its pages
-        // need not be adjacent, which defeats the hardware prefetcher at each page boundary).
-        const int64_t n_next = std::min(kBlock, t1 - k0 - n);
-        next_rows(ahead, std::max<int64_t>(n_next, 0));
-        for (int64_t j = 0; j < n_next; ++j) {
-          const char* k_row = reinterpret_cast<const char*>(ahead[j]);
-          const char* v_row = reinterpret_cast<const char*>(ahead[j] + half);
-          for (int64_t byte = 0; byte < row * static_cast<int64_t>(sizeof(T)); byte += 64) {
-            __builtin_prefetch(k_row + byte);
-            __builtin_prefetch(v_row + byte);
-          }
-        }
+        prefetch_until(k0 + n + kAhead);
+        next_rows(rows, n);
         for (int64_t h = 0; h < KVH; ++h) {
-          if constexpr (kVector && kD > 0 && kD % 16 == 0) {
+          if constexpr (kBF16Dot && std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0) {
+            score_block_bf16<kD>(rows, h * D, n, qp + b * q_stride + h * G * D, G, fscale, scores.data());
+          } else if constexpr (kVector && kD > 0 && kD % 16 == 0) {
             score_block_avx512<T, kD>(rows, h * D, n, &qf[h * G * D], G, scores.data());
           } else {
             score_block<T, kD>(rows, h * D, n, &qf[h * G * D], G, D, kf.data(), scores.data());
@@ -235,13 +377,17 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
             const int64_t head = h * G + g;
             float* sg = &scores[g * kBlock];
             float bm = m[head];
-            for (int64_t j = 0; j < n; ++j) bm = std::max(bm, sg[j]);
-            const float corr = exp_nonpositive(m[head] - bm);
             float sum = 0.f;
-            for (int64_t j = 0; j < n; ++j) {
-              sg[j] = exp_nonpositive(sg[j] - bm);
-              sum += sg[j];
+            if constexpr (kVector) {
+              bm = softmax_block_avx512(sg, n, bm, &sum);
+            } else {
+              for (int64_t j = 0; j < n; ++j) bm = std::max(bm, sg[j]);
+              for (int64_t j = 0; j < n; ++j) {
+                sg[j] = exp_nonpositive(sg[j] - bm);
+                sum += sg[j];
+              }
             }
+            const float corr = exp_nonpositive(m[head] - bm);
             l[head] = l[head] * corr + sum;
             m[head] = bm;
             float* ag = &acc[head * D];
