@@ -13,6 +13,7 @@ This is FlashInfer's paged-KV description, so its wrappers can be planned from i
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -180,6 +181,13 @@ class AttentionBackend(ABC):
         cache: torch.Tensor,
         window: int | None = None,
     ) -> torch.Tensor: ...
+
+    def fast_decode(
+        self, window: int | None, dtype: torch.dtype
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """`attend(q, k, v, cache)`: what `forward` computes for the planned step's layers of
+        this window, with less work per call, where a backend has such a path; else None."""
+        return None
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:

@@ -13,6 +13,7 @@ slices its keys instead of masking them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +186,27 @@ class TorchPagedBackend(AttentionBackend):
                 decode = self._kernel_read(window) if self.use_kernel else self._decode_read(window)
             self._reads[window] = (decode, [self._prefill_read(s, window) for s in self.prefills])
         return self._reads[window]
+
+    def fast_decode(
+        self, window: int | None, dtype: torch.dtype
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """For a planned step in which every row decodes through the kernel: a layer's attention
+        as `attend(q, k, v, cache)` (its K/V rows written in, then the kernel's read), what
+        `forward` does for such a step without its per-call dispatch; None for any other step
+        (or a dtype the kernel lacks)."""
+        store = cpu_kernel.store_kv()
+        if not (self.all_decode and self.use_kernel and dtype in cpu_kernel.DTYPES and store is not None):
+            return None
+        read, _ = self._reads_for(window)
+        assert isinstance(read, _KernelRead) and self.kernel is not None
+        kernel, slots, scale = self.kernel, self.meta.kv_slots, self.scale
+        pages, starts, lengths, chunk = read.pages, read.starts, read.lengths, read.chunk
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+            store(cache, k, v, slots)
+            return kernel(q, cache, pages, starts, lengths, scale, chunk)
+
+        return attend
 
     def forward(
         self,

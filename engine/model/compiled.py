@@ -158,6 +158,7 @@ class CompiledStep:
             post_args = (linear_spec(attn.o_proj), layer.post_attention_layernorm.weight, *mlp)
             self.layers.append((pre_args, post_args))
         self.heads = (model.local_heads, model.local_kv_heads, cfg.head_dim)
+        self.windows = {window for _, window in self.attention}
 
     def __call__(
         self,
@@ -219,13 +220,19 @@ class CompiledStep:
         kv_caches: list[torch.Tensor],
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer of an unpadded step through its bound graphs; (x, residual) after the last."""
+        """Every layer of an unpadded step through its bound graphs; (x, residual) after the last.
+        Attention goes through the backend's `fast_decode` where it has one for this step."""
+        fast = {w: backend.fast_decode(w, x.dtype) for w in self.windows}
         layers = zip(kv_caches, bound, self.attention, self.sparse, strict=True)
         for cache, (pre, post), (index, window), sparse in layers:
             if not (x.is_contiguous() and residual.is_contiguous()):
                 x, residual = x.contiguous(), residual.contiguous()
             q, kv, residual = pre(x, residual, cos, sin)
-            o = backend.forward(index, q, kv[0], kv[1], cache, window)  # [T, H, D]
+            attend = fast[window]
+            if attend is not None:
+                o = attend(q, kv[0], kv[1], cache)
+            else:
+                o = backend.forward(index, q, kv[0], kv[1], cache, window)  # [T, H, D]
             x, residual = post(o if o.is_contiguous() else o.contiguous(), residual)
             if sparse is not None:
                 x = sparse(x)

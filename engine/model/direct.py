@@ -43,6 +43,8 @@ class Graph:
     native: NativeGraph | None
 
 
+_to_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+_from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
 _captured: list[Graph] = []
 _graphs: dict[tuple[Any, ...], Graph] = {}
 _store: list[GraphStore | None] = [None]  # set by `use_store`
@@ -127,13 +129,19 @@ class DirectCall:
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"graph input {name}{list(items)} is not a tensor")
             self.values.append(value)
-        if isinstance(call, NativeGraph) and len(paths) + len(call.constants) != call.num_inputs:
-            raise ValueError(f"the graph takes {call.num_inputs} inputs, not {len(paths)} + {len(call.constants)}")
+        self.entry: Callable[[list[Any]], list[Any]] | None = None
+        if isinstance(call, NativeGraph):
+            if len(paths) + len(call.constants) != call.num_inputs:
+                raise ValueError(f"the graph takes {call.num_inputs} inputs, not {len(paths)} + {len(call.constants)}")
+            self.values += call.constants  # (what `NativeGraph.__call__` appends, appended once)
+            self.entry = call.entry
 
     def __call__(self, *activations: torch.Tensor) -> Any:
         values = self.values.copy()
         for pos, i in self.slots:
             values[pos] = activations[i]
+        if self.entry is not None:  # `NativeGraph.__call__`, inlined: one Python call less per graph
+            return _from_handles(self.entry(_to_handles(values)))
         return self.fn(*values)
 
 
