@@ -75,7 +75,9 @@ class ModelRunner:
             self.device,
         )
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
-        logits_indices = None if all_logits else meta.qo_indptr[1:].to(torch.int64) - 1
+        # Every chunk's last token, in order: none to pick when each chunk is one token (decodes).
+        last_only = not all_logits and meta.num_tokens > len(chunks)
+        logits_indices = meta.qo_indptr[1:].to(torch.int64) - 1 if last_only else None
         self.backend.plan(meta)
         logits = self.step(ids, meta, self.kv_cache.layers, self.backend, logits_indices)
         self.num_forward_calls += 1

@@ -32,7 +32,7 @@ from torch import nn
 
 from engine.attention import cpu_kernel
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.model.direct import DirectCall, Region, current_store, use_store
+from engine.model.direct import DirectCall, Region, current_store, signature, use_store
 from engine.model.graph_store import GraphStore
 from engine.model.layers import DenseMLP
 from engine.model.model import CausalLM, DecoderLayer
@@ -255,7 +255,9 @@ class CompiledStep:
 
     def warm_up(self, page_size: int, buckets: tuple[int, ...] = BUCKETS) -> float:
         """Compile (or load from the cache) every bucket's graphs by running a throwaway step of
-        that many tokens over a scratch KV cache. Returns the seconds it took."""
+        that many tokens over a scratch KV cache; a bucket whose graphs are all in the graph
+        store is not run (its layers bind from the store at its first step, without tracing).
+        Returns the seconds it took."""
         from engine.attention.torch_paged import TorchPagedBackend
 
         t0 = time.perf_counter()
@@ -264,7 +266,10 @@ class CompiledStep:
         dtype = m.model.norm.weight.dtype
         device = m.model.norm.weight.device
         backend = TorchPagedBackend(m.local_heads, m.local_kv_heads, cfg.head_dim)
+        stored = [b for b in buckets if self.stored(b)]
         for b in buckets:
+            if b in stored:
+                continue
             pages = -(-b // page_size)
             caches = [
                 torch.zeros(pages, 2, page_size, m.local_kv_heads, cfg.head_dim, dtype=dtype, device=device)
@@ -277,7 +282,27 @@ class CompiledStep:
         seconds = time.perf_counter() - t0
         traced = len({(b, w) for (b, _, w), call in self.direct.items() if call is not None and not call.stored})
         log.info(
-            "compiled %d step buckets in %.1fs (%d graphs traced, the others loaded from %s)",
-            len(buckets), seconds, traced, current_store() or "nowhere",
+            "compiled %d step buckets in %.1fs: %d graphs traced, %d buckets' graphs found in %s",
+            len(buckets), seconds, traced, len(stored), current_store() or "no store",
         )  # fmt: skip
         return seconds
+
+    @torch.inference_mode()
+    def stored(self, bucket: int) -> bool:
+        """Whether the graph store holds every graph an unpadded step of `bucket` tokens calls,
+        judged on the arguments such a step passes its regions (built, not run)."""
+        store = current_store()
+        if store is None or not self.use_direct:
+            return False
+        m = self.model
+        device = m.model.norm.weight.device
+        x = m.model.embed_tokens(torch.zeros(bucket, dtype=torch.int64, device=device))
+        cos, sin = m.rope.cos_sin(torch.arange(bucket, device=device), x.dtype)
+        residual = torch.zeros_like(x)
+        o = torch.empty(bucket, *self.heads[:1], self.heads[2], dtype=x.dtype, device=device)
+        for pre_args, post_args in self.layers:
+            pre = (x, residual, *pre_args, cos, sin, self.heads, self.eps)
+            post = (o, residual, *post_args, self.eps)
+            if not (store.has(self.pre.fn, signature(pre)) and store.has(self.post.fn, signature(post))):
+                return False
+        return True

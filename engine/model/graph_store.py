@@ -139,6 +139,10 @@ class GraphStore:
             digest.update(b"\0")
         return digest.hexdigest()[:32]
 
+    def has(self, fn: Callable[..., Any], signature: Sequence[Any]) -> bool:
+        key = self.key(fn, signature)
+        return (self.root / f"{key}.json").exists() and (self.root / f"{key}.so").exists()
+
     def load(self, fn: Callable[..., Any], signature: Sequence[Any]) -> tuple[NativeGraph, list[InputPath]] | None:
         """The stored graph and its inputs' paths, or None when there is none (or it does not load)."""
         key = self.key(fn, signature)
