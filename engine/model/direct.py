@@ -106,8 +106,8 @@ class DirectCall:
     """One layer's call of one compiled graph: `call(*activations)` with the weights bound."""
 
     def __init__(
-        self, call: Callable[..., Any], paths: list[InputPath], fn: Callable[..., Any], args: tuple[Any, ...],
-        dynamic: tuple[int, ...], stored: bool = False,
+        self, call: Callable[..., Any] | NativeGraph, paths: list[InputPath], fn: Callable[..., Any],
+        args: tuple[Any, ...], dynamic: tuple[int, ...], stored: bool = False,
     ):  # fmt: skip
         self.stored = stored  # bound from the graph store, never traced in this process
         names = list(inspect.signature(fn).parameters)
@@ -130,19 +130,21 @@ class DirectCall:
                 raise ValueError(f"graph input {name}{list(items)} is not a tensor")
             self.values.append(value)
         self.entry: Callable[[list[Any]], list[Any]] | None = None
+        self.call = None if isinstance(call, NativeGraph) else call  # called as is (the AOT path)
         if isinstance(call, NativeGraph):
             if len(paths) + len(call.constants) != call.num_inputs:
                 raise ValueError(f"the graph takes {call.num_inputs} inputs, not {len(paths)} + {len(call.constants)}")
-            self.values += call.constants  # (what `NativeGraph.__call__` appends, appended once)
+            self.values += call.constants  # (what inductor's wrapper appends to each call, appended once)
             self.entry = call.entry
 
     def __call__(self, *activations: torch.Tensor) -> Any:
         values = self.values.copy()
         for pos, i in self.slots:
             values[pos] = activations[i]
-        if self.entry is not None:  # `NativeGraph.__call__`, inlined: one Python call less per graph
+        if self.entry is not None:  # the graph's C++ entry point, tensors passed as handles
             return _from_handles(self.entry(_to_handles(values)))
-        return self.fn(*values)
+        assert self.call is not None
+        return self.call(*values)
 
 
 def _same(a: Any, b: Sequence[torch.Tensor]) -> bool:

@@ -1,9 +1,10 @@
 """Compiled region graphs kept on disk, called without dynamo, AOTAutograd or inductor.
 
 With `cpp_wrapper`, each graph inductor builds is a Python extension module holding one C++
-entry point, `inductor_entry_cpp(input handles) -> output handles`. A `NativeGraph` calls it
-directly (the tensors converted to handles and back in C++), skipping the Python layers that
-wrap it (dynamo's disable wrapper, AOTAutograd's runtime wrapper, `CompiledFxGraph.__call__`).
+entry point, `inductor_entry_cpp(input handles) -> output handles`. A `NativeGraph` holds it
+for `direct.DirectCall` to call directly (the tensors converted to handles and back in C++),
+skipping the Python layers that wrap it (dynamo's disable wrapper, AOTAutograd's runtime
+wrapper, `CompiledFxGraph.__call__`).
 
 A `GraphStore` copies such a module to `<root>/<key>.so`, with `<key>.json` saying which
 argument of the region feeds each graph input. The key digests what decides the graph: the
@@ -45,11 +46,11 @@ _CONSTANTS = re.compile(r"constants_tensor = \[([^\]]*)\]")
 
 
 class NativeGraph:
-    """A compiled graph's C++ entry point, called with its inputs in order; returns its outputs.
+    """A compiled graph's C++ entry point: `entry(input handles) -> output handles`.
 
     The entry point takes `num_inputs` tensors: the graph's inputs, then its `constants`
     (tensors inductor made while compiling, e.g. the int4 group size as a 0-d tensor), which
-    inductor's Python wrapper appends to every call and which this appends likewise."""
+    inductor's Python wrapper appends to every call and `direct.DirectCall` likewise."""
 
     def __init__(
         self, entry: Callable[[list[Any]], list[Any]], path: Path, constants: list[torch.Tensor], num_inputs: int
@@ -96,10 +97,6 @@ class NativeGraph:
             sys.modules[module_name] = module
         return cls(getattr(module, ENTRY), path, constants, num_inputs)
 
-    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
-        handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors([*inputs, *self.constants])
-        return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(self.entry(handles))
-
 
 @functools.cache
 def _source_digest() -> str:
@@ -116,8 +113,6 @@ class GraphStore:
 
     def __init__(self, root: Path):
         self.root = root
-        self.hits = 0
-        self.saved = 0
 
     def __str__(self) -> str:
         return str(self.root)
@@ -139,14 +134,18 @@ class GraphStore:
             digest.update(b"\0")
         return digest.hexdigest()[:32]
 
+    def _files(self, key: str) -> tuple[Path, Path, Path]:
+        """A graph's metadata, library and constants."""
+        return self.root / f"{key}.json", self.root / f"{key}.so", self.root / f"{key}.pt"
+
     def has(self, fn: Callable[..., Any], signature: Sequence[Any]) -> bool:
-        key = self.key(fn, signature)
-        return (self.root / f"{key}.json").exists() and (self.root / f"{key}.so").exists()
+        meta, so, _ = self._files(self.key(fn, signature))
+        return meta.exists() and so.exists()
 
     def load(self, fn: Callable[..., Any], signature: Sequence[Any]) -> tuple[NativeGraph, list[InputPath]] | None:
         """The stored graph and its inputs' paths, or None when there is none (or it does not load)."""
         key = self.key(fn, signature)
-        meta, so, consts = (self.root / f"{key}{ext}" for ext in (".json", ".so", ".pt"))
+        meta, so, consts = self._files(key)
         if not (meta.exists() and so.exists()):
             return None
         try:
@@ -157,7 +156,6 @@ class GraphStore:
         except (OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
             log.warning("stored graph %s does not load (%s); compiling it again", so, e)
             return None
-        self.hits += 1
         return graph, paths
 
     def save(
@@ -173,11 +171,10 @@ class GraphStore:
                 torch.save(graph.constants, consts)
                 info = {"function": f"{fn.__module__}.{fn.__qualname__}", "inputs": paths}
                 meta.write_text(json.dumps(info | {"constants": len(graph.constants), "num_inputs": graph.num_inputs}))
+                final_meta, final_so, final_consts = self._files(key)
                 # the metadata last: a reader that finds it finds the rest
-                so.replace(self.root / f"{key}.so")
-                consts.replace(self.root / f"{key}.pt")
-                meta.replace(self.root / f"{key}.json")
+                so.replace(final_so)
+                consts.replace(final_consts)
+                meta.replace(final_meta)
         except OSError as e:
             log.warning("could not store the compiled graph under %s: %s", self.root, e)
-            return
-        self.saved += 1
