@@ -277,11 +277,73 @@ inline void score_block_bf16(const c10::BFloat16* const* rows, int64_t off, int6
     }
   }
 }
+// acc[g] += sum_j p[g][j] v_j by VDPBF16PS, keys in pairs: the two V rows interleaved (one bf16
+// of each per 32-bit lane) against each query's pair of weights, rounded to bf16, broadcast.
+// The interleave works within 128-bit lanes, so of a row's 32-dim slice the "lo" vector holds
+// dims 0-3, 8-11, 16-19, 24-27 and "hi" the others; the accumulators keep that order over the
+// block and are permuted back from and to `acc` around it. Weights past n must be zero.
+template <int64_t kD, int64_t GN>
+inline void accumulate_queries_bf16(const c10::BFloat16* const* rows, int64_t off, int64_t n, const float* scores,
+                                    float* acc) {
+  constexpr int64_t W = kD / 32;
+  const __m512i split_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i split_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i join_0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i join_1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512 lo[GN][W], hi[GN][W];
+  alignas(64) uint32_t pairs[GN][kBlock / 2];
+  static_assert(kBlock == 32, "one vector of weight pairs per query");
+  for (int64_t g = 0; g < GN; ++g) {
+    for (int64_t w = 0; w < W; ++w) {
+      const __m512 a0 = _mm512_loadu_ps(acc + g * kD + 32 * w), a1 = _mm512_loadu_ps(acc + g * kD + 32 * w + 16);
+      lo[g][w] = _mm512_permutex2var_ps(a0, split_lo, a1);
+      hi[g][w] = _mm512_permutex2var_ps(a0, split_hi, a1);
+    }
+    const __m512bh p = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(scores + g * kBlock + 16), _mm512_loadu_ps(scores + g * kBlock));
+    _mm512_store_si512(pairs[g], (__m512i)p);
+  }
+  for (int64_t j = 0; j < n; j += 2) {
+    const c10::BFloat16* r0 = rows[j] + off;
+    const c10::BFloat16* r1 = (j + 1 < n ? rows[j + 1] : rows[j]) + off;  // weight 0 past n
+    for (int64_t w = 0; w < W; ++w) {
+      const __m512i x = _mm512_loadu_si512(r0 + 32 * w), y = _mm512_loadu_si512(r1 + 32 * w);
+      const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(x, y), vh = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      for (int64_t g = 0; g < GN; ++g) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g][j / 2]));
+        lo[g][w] = _mm512_dpbf16_ps(lo[g][w], vl, p);
+        hi[g][w] = _mm512_dpbf16_ps(hi[g][w], vh, p);
+      }
+    }
+  }
+  for (int64_t g = 0; g < GN; ++g)
+    for (int64_t w = 0; w < W; ++w) {
+      _mm512_storeu_ps(acc + g * kD + 32 * w, _mm512_permutex2var_ps(lo[g][w], join_0, hi[g][w]));
+      _mm512_storeu_ps(acc + g * kD + 32 * w + 16, _mm512_permutex2var_ps(lo[g][w], join_1, hi[g][w]));
+    }
+}
+
+template <int64_t kD>
+inline void accumulate_block_bf16(const c10::BFloat16* const* rows, int64_t off, int64_t n, const float* scores,
+                                  int64_t G, float* acc) {
+  constexpr int64_t GB = kD <= 64 ? 4 : 2;  // queries per pass: 16 accumulators
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const float* sg = scores + g0 * kBlock;
+    float* ag = acc + g0 * kD;
+    switch (std::min(GB, G - g0)) {
+      case 1: accumulate_queries_bf16<kD, 1>(rows, off, n, sg, ag); break;
+      case 2: accumulate_queries_bf16<kD, 2>(rows, off, n, sg, ag); break;
+      case 3: accumulate_queries_bf16<kD, 3>(rows, off, n, sg, ag); break;
+      default: accumulate_queries_bf16<kD, GB>(rows, off, n, sg, ag); break;
+    }
+  }
+}
 constexpr bool kBF16Dot = true;
 #else
 template <int64_t kD>
 inline void score_block_bf16(const c10::BFloat16* const*, int64_t, int64_t, const c10::BFloat16*, int64_t, float,
                              float*) {}
+template <int64_t kD>
+inline void accumulate_block_bf16(const c10::BFloat16* const*, int64_t, int64_t, const float*, int64_t, float*) {}
 constexpr bool kBF16Dot = false;
 #endif
 constexpr bool kVector = true;
@@ -293,6 +355,8 @@ inline void accumulate_block_avx512(const T* const*, int64_t, int64_t, const flo
 template <int64_t kD>
 inline void score_block_bf16(const c10::BFloat16* const*, int64_t, int64_t, const c10::BFloat16*, int64_t, float,
                              float*) {}
+template <int64_t kD>
+inline void accumulate_block_bf16(const c10::BFloat16* const*, int64_t, int64_t, const float*, int64_t, float*) {}
 inline float softmax_block_avx512(float*, int64_t, float m, float*) { return m; }
 constexpr bool kVector = false;
 constexpr bool kBF16Dot = false;
@@ -393,7 +457,9 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
             float* ag = &acc[head * D];
             for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
           }
-          if constexpr (kVector && kD > 0 && kD % 16 == 0) {  // the values: each page's V half
+          if constexpr (kBF16Dot && std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0) {  // the values
+            accumulate_block_bf16<kD>(rows, half + h * D, n, scores.data(), G, &acc[h * G * D]);
+          } else if constexpr (kVector && kD > 0 && kD % 16 == 0) {  // each page's V half
             accumulate_block_avx512<T, kD>(rows, half + h * D, n, scores.data(), G, &acc[h * G * D]);
           } else {
             accumulate_block<T, kD>(rows, half + h * D, n, scores.data(), G, D, kf.data(), &acc[h * G * D]);
