@@ -1,7 +1,8 @@
 """The torch_paged backend's read paths against plain attention on random inputs: a lone
 decoding sequence (sliced, no mask), a decode-only batch (no row gather), mixed batches, whole
 prompts (causal without a mask), chunks after a cached prefix, with and without a sliding
-window; and a window layer reads only the pages its window reaches."""
+window; the decode and prefill kernels on random batches; and a window layer reads only the
+pages its window reaches."""
 
 from __future__ import annotations
 
@@ -90,14 +91,16 @@ def test_window_reads_only_the_pages_it_reaches(kernel: bool) -> None:
     meta = AttentionMetadata.build([pages, pages[:10]], [1, 1], [kv_len, 37], S)
     backend = _backend(kernel)
     backend.plan(meta)
-    decode, _ = backend._reads_for(window)
+    decode = backend._decode_for(window)
     assert decode is not None and _pages_read(decode) <= math.ceil(window / S) + 1
-    full, _ = backend._reads_for(None)
+    full = backend._decode_for(None)
     assert full is not None and _pages_read(full) == len(pages)
     meta = AttentionMetadata.build([pages], [8], [kv_len], S)
     backend.plan(meta)
-    _, (prefill,) = backend._reads_for(window)
+    (prefill,) = backend._prefills_for(window)
     assert prefill.n_pages <= math.ceil((window + 7) / S) + 1
+    (kernel_read,) = backend._prefill_kernel_reads(window)
+    assert kernel_read.pages.numel() <= math.ceil((window + 7) / S) + 1
 
 
 @pytest.mark.parametrize("window", [None, 6, 40])
@@ -185,3 +188,43 @@ def test_decode_kernel_over_random_batches(
         want = reference(q[b : b + 1].double(), keys, values, kv, window)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[b : b + 1].double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128), (4, 4, 64)], ids=["d64", "d128", "mha"])
+def test_prefill_kernel_over_random_chunks(seed: int, heads: tuple[int, int, int]) -> None:
+    """bf16 prefill chunks through `paged_prefill.cpp`: random chunk lengths (tiles of 16 tokens
+    and blocks of 32 keys cut anywhere) after random cached prefixes, shuffled pages, a sliding
+    window on even seeds (the pages before it released), beside decoding sequences in the same
+    step, against float64 attention; the kernel (not SDPA) computed them."""
+    H, KVH, D = heads
+    if cpu_kernel.prefill(torch.bfloat16, D) is None:
+        pytest.skip("this CPU has no AVX512-BF16: prefill chunks take the SDPA path")
+    g = torch.Generator().manual_seed(seed)
+    window = None if seed % 2 else int(torch.randint(1, 120, (1,), generator=g))
+    B = int(torch.randint(1, 4, (1,), generator=g))
+    q_lens = [int(torch.randint(2, 90, (1,), generator=g)) if i == 0 or seed % 3 else 1 for i in range(B)]
+    kv_lens = [n + int(torch.randint(0, 300, (1,), generator=g)) for n in q_lens]
+    free = torch.randperm(600, generator=g).tolist()
+    tables, firsts = [], []
+    for n, kv in zip(q_lens, kv_lens, strict=True):
+        first = 0 if window is None else max(0, kv - n - window + 1) // S  # pages before it released
+        tables.append(torch.tensor([free.pop() for _ in range(-(-kv // S) - first)], dtype=torch.int32))
+        firsts.append(first)
+    meta = AttentionMetadata.from_tables(tables, firsts, q_lens, kv_lens, S)
+    cache = torch.randn(600, 2, S, KVH, D, generator=g).to(torch.bfloat16)
+    T = sum(q_lens)
+    q, k, v = (torch.randn(T, h, D, generator=g).to(torch.bfloat16) for h in (H, KVH, KVH))
+    backend = TorchPagedBackend(H, KVH, D)
+    backend.plan(meta)
+    with torch.profiler.profile() as prof:
+        out = backend.forward(0, q, k, v, cache, window)
+    assert any(e.name == "longctx::paged_prefill" for e in prof.events())
+    start = 0
+    for b, (n, kv, first) in enumerate(zip(q_lens, kv_lens, firsts, strict=True)):
+        pages = cache[tables[b].long()].double()
+        keys = torch.cat([torch.zeros(first * S, KVH, D, dtype=torch.float64), pages[:, 0].reshape(-1, KVH, D)])[:kv]
+        values = torch.cat([torch.zeros(first * S, KVH, D, dtype=torch.float64), pages[:, 1].reshape(-1, KVH, D)])[:kv]
+        want = reference(q[start : start + n].double(), keys, values, kv, window)
+        torch.testing.assert_close(out[start : start + n].double(), want, rtol=2e-2, atol=2e-2)
+        start += n

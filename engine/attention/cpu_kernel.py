@@ -1,8 +1,9 @@
-"""Building and loading `paged_decode.cpp`, the CPU decode-attention kernel, as torch ops.
+"""Building and loading the CPU attention kernels as torch ops: `paged_decode.cpp` (decode,
+and the step's K/V rows written in) and `paged_prefill.cpp` (a prefill chunk, bf16).
 
-The source is compiled once with the C++ compiler inductor also uses (g++), against the
-installed torch's headers and libraries, into `<build dir>/paged_decode-<hash>.so`. The hash
-covers the source, the flags, the torch version, the compiler and the CPU's instruction sets
+The sources are compiled once with the C++ compiler inductor also uses (g++), against the
+installed torch's headers and libraries, into one `<build dir>/paged_decode-<hash>.so`. The hash
+covers the sources, the flags, the torch version, the compiler and the CPU's instruction sets
 (`-march=native`), so a change of any of them builds anew and a second start only loads the
 file. Without a compiler (or if the build fails) `load` returns None with one warning and
 attention uses the SDPA path.
@@ -27,7 +28,8 @@ import torch
 
 log = logging.getLogger("longctx.attention")
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_decode.cpp", "paged_prefill.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
 DTYPES = (torch.float32, torch.bfloat16)  # of the queries and the cache
 # -march=native: the build runs on the machine that serves. Fast math without
 # finite-math-only: the kernel starts its running maxima at -inf.
@@ -49,6 +51,8 @@ CFLAGS = [
 _lock = threading.Lock()
 _op: Callable[..., torch.Tensor] | None = None
 _store: Callable[..., None] | None = None
+_prefill: Callable[..., torch.Tensor] | None = None
+_prefill_paths: dict[tuple[torch.dtype, int], bool] = {}  # (dtype, head dim) -> the build has a path
 _failed: str | None = None
 
 
@@ -82,7 +86,7 @@ def _command(cxx: str, out: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [cxx, *CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", str(SOURCE), "-o", str(out)]
+    cmd = [cxx, *CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *map(str, SOURCES), "-o", str(out)]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
     for lib in cpp_extension.library_paths():
         cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
@@ -91,7 +95,7 @@ def _command(cxx: str, out: Path) -> list[str]:
 
 def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
     """`torch.ops.longctx.paged_decode`, built under `build_dir` if needed; None if it cannot be."""
-    global _op, _store, _failed
+    global _op, _store, _prefill, _failed
     with _lock:
         if _op is not None or _failed is not None:
             return _op
@@ -100,7 +104,9 @@ def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
             _failed = "no C++ compiler (g++) on PATH"
             log.warning("decode attention kernel not built (%s); using SDPA", _failed)
             return None
-        digest = hashlib.sha256(SOURCE.read_bytes())
+        digest = hashlib.sha256()
+        for path in (*SOURCES, *HEADERS):
+            digest.update(path.read_bytes())
         for part in (*CFLAGS, torch.__version__, compiler_version(cxx), cpu_flags()):
             digest.update(part.encode())
         so = build_dir / f"paged_decode-{digest.hexdigest()[:16]}.so"
@@ -119,7 +125,11 @@ def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
             _failed = detail[0] if detail else type(e).__name__
             log.warning("decode attention kernel not built (%s); using SDPA", _failed)
             return None
-        _op, _store = torch.ops.longctx.paged_decode, torch.ops.longctx.store_kv
+        _op, _store, _prefill = (
+            torch.ops.longctx.paged_decode,
+            torch.ops.longctx.store_kv,
+            torch.ops.longctx.paged_prefill,
+        )
         return _op
 
 
@@ -131,3 +141,15 @@ def loaded() -> Callable[..., torch.Tensor] | None:
 def store_kv() -> Callable[..., None] | None:
     """`store_kv(cache, k, v, slots)` (the step's K/V rows copied in) once loaded, else None."""
     return _store
+
+
+def prefill(dtype: torch.dtype, head_dim: int) -> Callable[..., torch.Tensor] | None:
+    """`paged_prefill(q, cache, pages, q0, window, scale)` (one sequence's chunk against its
+    cached keys, read in place) once loaded and where this build has a path for `dtype` and
+    `head_dim` (bf16 with AVX512-BF16), else None."""
+    if _prefill is None:
+        return None
+    key = (dtype, head_dim)
+    if key not in _prefill_paths:
+        _prefill_paths[key] = bool(torch.ops.longctx.paged_prefill_supported(dtype, head_dim))
+    return _prefill if _prefill_paths[key] else None

@@ -18,6 +18,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_vec.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -32,25 +34,16 @@
 
 namespace {
 
+using longctx::maybe_parallel;
+#if defined(__AVX512F__)
+using longctx::exp_nonpositive_ps;
+#endif
+
 constexpr int64_t kBlock = 32;  // keys scored before their softmax update
 // Keys between a key's prefetch and its read, and the prefetch's locality hint: into L2 and
 // the last level (not L1), a few blocks ahead, measured best for reads from DRAM.
 constexpr int64_t kAhead = 128;
 constexpr int kLocality = 1;
-// Below this many elements of work a loop runs on the calling thread: waking the pool's
-// threads costs more than a short context's attention (a few microseconds per region).
-constexpr int64_t kParallelFrom = 1 << 16;
-
-// at::parallel_for over [0, n) when `work` is worth the threads, else inline.
-template <typename F>
-void maybe_parallel(int64_t n, int64_t work, const F& f) {
-  if (n <= 1 || work < kParallelFrom) {
-    f(0, n);
-  } else {
-    at::parallel_for(0, n, 1, f);
-  }
-}
-
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
@@ -122,21 +115,6 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp_nonpositive on 16 floats: the same polynomial, the power of two applied by VSCALEFPS.
-inline __m512 exp_nonpositive_ps(__m512 x) {
-  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)), _mm512_set1_ps(-126.f));
-  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(2.1690609e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2443082e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6784728e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5483524e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022980e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314700e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, fi);
 }
 
 // One query's block of n <= kBlock = 32 scores, in place: the new running max (from `m`) is

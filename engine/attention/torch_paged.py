@@ -9,6 +9,10 @@ the cache viewed as `[pages * 2, page_size, KVH, D]` (page p's K at row 2p, its 
 2p + 1), sliding-window layers read only the pages their window reaches, a whole prompt in
 one chunk runs as plain causal attention without a mask, and a single decoding sequence
 slices its keys instead of masking them.
+
+On CPU with the kernels built (`cpu_kernel`), decoding sequences run `paged_decode.cpp` and,
+in bf16 where the CPU has AVX512-BF16, each prefill chunk runs `paged_prefill.cpp`: both read
+K and V where they are in the cache, with no gathered copy and no mask.
 """
 
 from __future__ import annotations
@@ -69,6 +73,15 @@ class _KernelRead:
     chunk: int  # keys per kernel task
 
 
+@dataclass
+class _PrefillKernelRead:
+    """A prefill chunk's read for `paged_prefill.cpp`: its pages from the first one it reads,
+    and its first query's position counted from that page's first token."""
+
+    pages: torch.Tensor  # [n] int32
+    q0: int
+
+
 # The kernel's tasks: (sequence, chunk of keys); enough per thread to balance, none shorter
 # than this many keys.
 TASKS_PER_THREAD = 4
@@ -102,7 +115,11 @@ class TorchPagedBackend(AttentionBackend):
             if self.all_decode or not self.decodes
             else torch.tensor([s.q_start for s in self.decodes], dtype=torch.int64, device=self.device)
         )
-        self._reads: dict[int | None, tuple[_Read | _KernelRead | None, list[_Read]]] = {}
+        # Per window (layers share them): the decode group's read, each prefill's (for SDPA or
+        # for the prefill kernel).
+        self._decode_reads: dict[int | None, _Read | _KernelRead | None] = {}
+        self._prefill_reads: dict[int | None, list[_Read]] = {}
+        self._kernel_prefills: dict[int | None, list[_PrefillKernelRead]] = {}
         self.use_kernel = self.kernel is not None and self.device.type == "cpu"
 
     @staticmethod
@@ -178,14 +195,28 @@ class TorchPagedBackend(AttentionBackend):
                 mask &= kv_pos > q_pos - window
         return _Read(k, v, len(s.pages) - (first - s.first_page), 0, length, mask, causal)
 
-    def _reads_for(self, window: int | None) -> tuple[_Read | _KernelRead | None, list[_Read]]:
-        """Per window (layers share them): the decode group's read and each prefill's."""
-        if window not in self._reads:
+    def _prefill_kernel_reads(self, window: int | None) -> list[_PrefillKernelRead]:
+        if window not in self._kernel_prefills:
+            reads = []
+            for s in self.prefills:
+                first = self._first_page(s, s.kv_len - s.q_len, window)
+                q0 = s.kv_len - s.q_len - first * self.page_size
+                reads.append(_PrefillKernelRead(s.pages[first - s.first_page :].contiguous(), q0))
+            self._kernel_prefills[window] = reads
+        return self._kernel_prefills[window]
+
+    def _decode_for(self, window: int | None) -> _Read | _KernelRead | None:
+        if window not in self._decode_reads:
             decode: _Read | _KernelRead | None = None
             if self.decodes:
                 decode = self._kernel_read(window) if self.use_kernel else self._decode_read(window)
-            self._reads[window] = (decode, [self._prefill_read(s, window) for s in self.prefills])
-        return self._reads[window]
+            self._decode_reads[window] = decode
+        return self._decode_reads[window]
+
+    def _prefills_for(self, window: int | None) -> list[_Read]:
+        if window not in self._prefill_reads:
+            self._prefill_reads[window] = [self._prefill_read(s, window) for s in self.prefills]
+        return self._prefill_reads[window]
 
     def fast_decode(
         self, window: int | None, dtype: torch.dtype
@@ -197,7 +228,7 @@ class TorchPagedBackend(AttentionBackend):
         store = cpu_kernel.store_kv()
         if not (self.all_decode and self.use_kernel and dtype in cpu_kernel.DTYPES and store is not None):
             return None
-        read, _ = self._reads_for(window)
+        read = self._decode_for(window)
         assert isinstance(read, _KernelRead) and self.kernel is not None
         kernel, slots, scale = self.kernel, self.meta.kv_slots, self.scale
         pages, starts, lengths, chunk = read.pages, read.starts, read.lengths, read.chunk
@@ -220,7 +251,7 @@ class TorchPagedBackend(AttentionBackend):
         write_kv(cache, k, v, self.meta)
         P, _, S, KVH, D = cache.shape
         pages = cache.view(P * 2, S, KVH, D)
-        decode, prefills = self._reads_for(window)
+        decode = self._decode_for(window)
 
         def gather(r: _Read, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
             """Keys and values [batch, KVH, L, D], one index_select each."""
@@ -243,16 +274,25 @@ class TorchPagedBackend(AttentionBackend):
             read = decode
             if not isinstance(read, _Read):  # a dtype the kernel lacks: SDPA's read, kept for the other layers
                 read = self._decode_read(window)
-                self._reads[window] = (read, prefills)
+                self._decode_reads[window] = read
             keys, values = gather(read, len(self.decodes))
             return self._decode(queries, keys, values, read.mask)
 
         if self.all_decode and decode is not None:
             return decode_group(q)
+        prefill = cpu_kernel.prefill(q.dtype, D) if self.use_kernel and q.dtype == cache.dtype else None
+        reads = self._prefill_kernel_reads(window) if prefill is not None else []
+        if prefill is not None and decode is None and len(self.prefills) == 1:  # the step is one chunk
+            return prefill(q, cache, reads[0].pages, reads[0].q0, window or 0, self.scale)
         out = torch.empty_like(q)  # [T, H, D]
         if decode is not None and self.decode_rows is not None:
             out[self.decode_rows] = decode_group(q[self.decode_rows])
-        for s, r in zip(self.prefills, prefills, strict=True):
+        if prefill is not None:
+            for s, kr in zip(self.prefills, reads, strict=True):
+                queries = q[s.q_start : s.q_start + s.q_len]
+                out[s.q_start : s.q_start + s.q_len] = prefill(queries, cache, kr.pages, kr.q0, window or 0, self.scale)
+            return out
+        for s, r in zip(self.prefills, self._prefills_for(window), strict=True):
             keys, values = gather(r, 1)
             queries = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
             out[s.q_start : s.q_start + s.q_len] = self._prefill(queries, keys[0], values[0], s, r, window).transpose(

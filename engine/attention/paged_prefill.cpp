@@ -1,0 +1,274 @@
+// Prefill attention over a paged KV cache on CPU: one sequence's chunk of T query tokens against
+// its cached keys (the chunk's own K/V already written), causal and optionally windowed, read
+// where the keys are in the cache (no gathered copy of the context).
+//
+// Keys are numbered from token 0 of the page list's first page; query t sits at key position
+// q0 + t and attends keys k with k <= q0 + t (and k > q0 + t - window when window > 0).
+//
+// bf16 with AVX512-BF16 (head dims that are multiples of 32): both products as VDPBF16PS
+// outer products, flash-attention style. Work is split into (KV head, tile of kTile tokens)
+// tasks; a task's rows are its tokens x the G query heads sharing the KV head. Per block of 32
+// keys the task
+//   - transposes the block's K rows into pairs of dims by key (16 keys per vector), so a
+//     score vector is 16 keys of one row: sum over dim pairs of K pairs x the row's broadcast
+//     query pair;
+//   - updates each row's running max and sum (online softmax), its weights rounded to bf16
+//     pairs;
+//   - interleaves the block's V rows by key pairs and adds weight pairs x V pairs to the rows'
+//     float32 outputs (their dims in the interleave's order, restored at the end).
+//
+// Registered as torch.ops.longctx.paged_prefill:
+//   q [T, H, D] (each row's heads contiguous; rows may be strided), cache [P, 2, S, KVH, D],
+//   pages [N] int32, q0, window (0: none), scale -> [T, H, D]
+// and paged_prefill_supported(dtype, head_dim) -> bool (whether this build has that path).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "cpu_vec.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512BF16__)
+
+constexpr int64_t kKeys = 32;  // keys per block: two score vectors per row
+constexpr int64_t kTile = 16;  // query tokens per task
+
+// 16 vectors of 16 int32 transposed in place (a[i][j] -> a[j][i]).
+inline void transpose16(__m512i* a) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i+3
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    a[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);      // lane 0 of every row
+    a[4 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);  // lane 1
+    a[8 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);  // lane 2
+    a[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// Scores of RB rows against a block's keys: s[r][0..31] = q_r . k_j (unscaled), from the
+// transposed K pairs kp[w * 2 + half] (half: keys 0-15 or 16-31) and each row's query pairs.
+template <int64_t kD, int64_t RB>
+inline void score_rows(const __m512i* kp, const uint32_t* const* q, float* s) {
+  __m512 acc[RB][2];
+  for (int64_t r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t w = 0; w < kD / 2; ++w) {
+    const __m512bh k0 = (__m512bh)kp[2 * w], k1 = (__m512bh)kp[2 * w + 1];
+    for (int64_t r = 0; r < RB; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][w]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qb);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qb);
+    }
+  }
+  for (int64_t r = 0; r < RB; ++r) {
+    _mm512_storeu_ps(s + r * kKeys, acc[r][0]);
+    _mm512_storeu_ps(s + r * kKeys + 16, acc[r][1]);
+  }
+}
+
+// Outputs of RB rows (float32, interleaved dim order, kD / 16 vectors each): o = o * corr +
+// sum over key pairs of the row's weight pair x the V pairs vp[pair * kD / 16 + c].
+template <int64_t kD, int64_t RB>
+inline void accumulate_rows(const __m512i* vp, int64_t pairs, const uint32_t* p, const float* corr, float* o) {
+  constexpr int64_t C = kD / 16;
+  __m512 acc[RB][C];
+  for (int64_t r = 0; r < RB; ++r) {
+    const __m512 c = _mm512_set1_ps(corr[r]);
+    for (int64_t v = 0; v < C; ++v) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * kD + 16 * v), c);
+  }
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    for (int64_t r = 0; r < RB; ++r) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * (kKeys / 2) + jp]));
+      for (int64_t v = 0; v < C; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)vp[jp * C + v], pb);
+    }
+  }
+  for (int64_t r = 0; r < RB; ++r)
+    for (int64_t v = 0; v < C; ++v) _mm512_storeu_ps(o + r * kD + 16 * v, acc[r][v]);
+}
+
+template <int64_t kD>
+void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, int64_t q0, int64_t window,
+         double scale, at::Tensor& out) {
+  using BF16 = c10::BFloat16;
+  const int64_t T = q.size(0), H = q.size(1);
+  const int64_t S = cache.size(2), KVH = cache.size(3), G = H / KVH;
+  const int64_t row = KVH * kD, half = S * row;
+  const BF16* qp = q.data_ptr<BF16>();
+  const int64_t q_stride = q.stride(0);
+  const BF16* cp = cache.data_ptr<BF16>();
+  const int32_t* table = pages.data_ptr<int32_t>();
+  BF16* op = out.data_ptr<BF16>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t tiles = (T + kTile - 1) / kTile, tasks = tiles * KVH;
+  constexpr int64_t C = kD / 16;            // output vectors per row
+  constexpr int64_t RS = 8;                 // rows per score pass (16 accumulators)
+  constexpr int64_t RV = kD <= 64 ? 6 : 3;  // rows per output pass (24 accumulators)
+  const __m512i join_0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i join_1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+
+  // Tasks by decreasing cost (later tiles read more keys), dealt to the threads in turn.
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  int64_t keys_total = 0;
+  for (int64_t i = 0; i < tiles; ++i) keys_total += q0 + std::min(T, (i + 1) * kTile);
+  longctx::maybe_parallel(threads, keys_total * kTile * H * kD, [&](int64_t begin, int64_t end) {
+    const int64_t R = kTile * G;  // rows per task at most
+    std::vector<float> o(R * kD), s(R * kKeys), m(R), l(R), corr(R);
+    std::vector<uint32_t> p(R * (kKeys / 2));
+    std::vector<const uint32_t*> qrows(R);
+    std::vector<int64_t> pos(R);
+    std::vector<__m512i> kp(kD), vp(kKeys / 2 * C);  // kD / 2 pairs x 2 halves; 16 pairs x C
+    for (int64_t thread = begin; thread < end; ++thread) {
+      for (int64_t order = thread; order < tasks; order += threads) {
+        const int64_t tile = tiles - 1 - order / KVH, h = order % KVH;
+        const int64_t t0 = tile * kTile, t1 = std::min(T, t0 + kTile), rows = (t1 - t0) * G;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t t = t0 + r / G, head = h * G + r % G;
+          qrows[r] = reinterpret_cast<const uint32_t*>(qp + t * q_stride + head * kD);
+          pos[r] = q0 + t;
+        }
+        std::fill(o.begin(), o.begin() + rows * kD, 0.f);
+        std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
+        std::fill(l.begin(), l.begin() + rows, 0.f);
+        const int64_t first_pos = q0 + t0, last_pos = q0 + t1 - 1;
+        const int64_t k_lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+        for (int64_t kb = k_lo / kKeys * kKeys; kb <= last_pos; kb += kKeys) {
+          const int64_t n = std::min(kKeys, last_pos + 1 - kb);
+          const BF16* krow[kKeys];
+          for (int64_t j = 0; j < kKeys; ++j) {  // keys past n repeat the first (their weights are 0)
+            const int64_t key = kb + (j < n ? j : 0);
+            krow[j] = cp + static_cast<int64_t>(table[key / S]) * 2 * half + (key % S) * row + h * kD;
+          }
+          // K pairs by key: kp[2w + half] lane j = dims (2w, 2w + 1) of key 16 * half + j.
+          for (int64_t hf = 0; hf < 2; ++hf) {
+            for (int64_t w0 = 0; w0 < kD / 2; w0 += 16) {
+              __m512i a[16];
+              for (int64_t j = 0; j < 16; ++j) a[j] = _mm512_loadu_si512(krow[16 * hf + j] + 2 * w0);
+              transpose16(a);
+              for (int64_t w = 0; w < 16; ++w) kp[2 * (w0 + w) + hf] = a[w];
+            }
+          }
+          // V by key pairs: vp[jp * C + 2v (+1)] = unpacklo (unpackhi) of keys 2jp, 2jp + 1's dims 32v..
+          const int64_t pairs = (n + 1) / 2;
+          for (int64_t jp = 0; jp < pairs; ++jp) {
+            const BF16* v0 = krow[2 * jp] + half;
+            const BF16* v1 = krow[2 * jp + 1] + half;
+            for (int64_t v = 0; v < kD / 32; ++v) {
+              const __m512i x = _mm512_loadu_si512(v0 + 32 * v), y = _mm512_loadu_si512(v1 + 32 * v);
+              vp[jp * C + 2 * v] = _mm512_unpacklo_epi16(x, y);
+              vp[jp * C + 2 * v + 1] = _mm512_unpackhi_epi16(x, y);
+            }
+          }
+          int64_t r = 0;
+          for (; r + RS <= rows; r += RS) score_rows<kD, RS>(kp.data(), &qrows[r], &s[r * kKeys]);
+          for (; r < rows; ++r) score_rows<kD, 1>(kp.data(), &qrows[r], &s[r * kKeys]);
+          // Online softmax per row; a mask only where the block crosses a row's bounds.
+          const bool edge = kb + kKeys > first_pos + 1 || (window > 0 && kb <= last_pos - window);
+          const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+          for (r = 0; r < rows; ++r) {
+            __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(&s[r * kKeys]), _mm512_set1_ps(fscale));
+            __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(&s[r * kKeys + 16]), _mm512_set1_ps(fscale));
+            __mmask16 m0 = 0xFFFF, m1 = 0xFFFF;
+            if (edge) {  // valid: lo < key <= pos (lo = pos - window, or -1)
+              const __m512i k0 = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(kb)));
+              const __m512i k1 = _mm512_add_epi32(k0, _mm512_set1_epi32(16));
+              const __m512i hi = _mm512_set1_epi32(static_cast<int>(pos[r]));
+              const __m512i lo = _mm512_set1_epi32(static_cast<int>(window > 0 ? pos[r] - window : -1));
+              m0 = _mm512_cmple_epi32_mask(k0, hi) & _mm512_cmpgt_epi32_mask(k0, lo);
+              m1 = _mm512_cmple_epi32_mask(k1, hi) & _mm512_cmpgt_epi32_mask(k1, lo);
+            }
+            const float neg = -std::numeric_limits<float>::infinity();
+            const float bm = std::max({m[r], _mm512_mask_reduce_max_ps(m0, s0), _mm512_mask_reduce_max_ps(m1, s1)});
+            __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
+            float c = 1.f;
+            if (bm != neg) {
+              const __m512 b = _mm512_set1_ps(bm);
+              p0 = _mm512_maskz_mov_ps(m0, longctx::exp_nonpositive_ps(_mm512_sub_ps(s0, b)));
+              p1 = _mm512_maskz_mov_ps(m1, longctx::exp_nonpositive_ps(_mm512_sub_ps(s1, b)));
+              c = m[r] == neg ? 0.f : _mm512_cvtss_f32(longctx::exp_nonpositive_ps(_mm512_set1_ps(m[r] - bm)));
+              m[r] = bm;
+            }
+            l[r] = l[r] * c + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            corr[r] = c;
+            _mm512_storeu_si512(&p[r * (kKeys / 2)], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+          }
+          for (r = 0; r + RV <= rows; r += RV)
+            accumulate_rows<kD, RV>(vp.data(), pairs, &p[r * (kKeys / 2)], &corr[r], &o[r * kD]);
+          for (; r < rows; ++r) accumulate_rows<kD, 1>(vp.data(), pairs, &p[r * (kKeys / 2)], &corr[r], &o[r * kD]);
+        }
+        for (int64_t r = 0; r < rows; ++r) {  // o / l, dims back in order, as bf16
+          const int64_t t = t0 + r / G, head = h * G + r % G;
+          const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
+          BF16* dst = op + (t * H + head) * kD;
+          for (int64_t v = 0; v < kD / 32; ++v) {
+            const __m512 lo = _mm512_loadu_ps(&o[r * kD + 32 * v]), hi = _mm512_loadu_ps(&o[r * kD + 32 * v + 16]);
+            const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(lo, join_0, hi), inv);
+            const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(lo, join_1, hi), inv);
+            _mm512_storeu_si512(dst + 32 * v, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+          }
+        }
+      }
+    }
+  });
+}
+
+bool supported(c10::ScalarType dtype, int64_t head_dim) {
+  return dtype == at::kBFloat16 && (head_dim == 64 || head_dim == 128);
+}
+
+#else
+
+bool supported(c10::ScalarType, int64_t) { return false; }
+
+#endif
+
+bool paged_prefill_supported(c10::ScalarType dtype, int64_t head_dim) { return supported(dtype, head_dim); }
+
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, int64_t q0,
+                         int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [T, H, D], each row's heads contiguous");
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.size(1) == 2, "cache must be [P, 2, S, KVH, D]");
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "q and cache must have one dtype");
+  TORCH_CHECK(cache.size(4) == q.size(2) && q.size(1) % cache.size(3) == 0, "head shapes disagree");
+  TORCH_CHECK(pages.scalar_type() == at::kInt && pages.dim() == 1 && pages.is_contiguous(), "pages: [N] int32");
+  TORCH_CHECK(q0 >= 0 && window >= 0, "q0 and window must be >= 0");
+  TORCH_CHECK((q0 + q.size(0) + cache.size(2) - 1) / cache.size(2) <= pages.size(0), "pages do not cover the keys");
+  TORCH_CHECK(supported(q.scalar_type(), q.size(2)), "paged_prefill: no path for this dtype and head dim here");
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+#if defined(__AVX512BF16__)
+  if (q.size(0) > 0) {
+    q.size(2) == 64 ? run<64>(q, cache, pages, q0, window, scale, out)
+                    : run<128>(q, cache, pages, q0, window, scale, out);
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(longctx, m) {
+  m.def("paged_prefill(Tensor q, Tensor cache, Tensor pages, int q0, int window, float scale) -> Tensor");
+  m.def("paged_prefill_supported(ScalarType dtype, int head_dim) -> bool", &paged_prefill_supported);
+}
+
+TORCH_LIBRARY_IMPL(longctx, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
