@@ -193,8 +193,8 @@ def test_decode_kernel_over_random_batches(
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128), (4, 4, 64)], ids=["d64", "d128", "mha"])
 def test_prefill_kernel_over_random_chunks(seed: int, heads: tuple[int, int, int]) -> None:
-    """bf16 prefill chunks through `paged_prefill.cpp`: random chunk lengths (tiles of 16 tokens
-    and blocks of 32 keys cut anywhere) after random cached prefixes, shuffled pages, a sliding
+    """bf16 prefill chunks through `paged_prefill.cpp`: random chunk lengths (tiles of 32 tokens
+    and blocks of 64 keys cut anywhere) after random cached prefixes, shuffled pages, a sliding
     window on even seeds (the pages before it released), beside decoding sequences in the same
     step, against float64 attention; the kernel (not SDPA) computed them."""
     H, KVH, D = heads
