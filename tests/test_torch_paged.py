@@ -191,15 +191,16 @@ def test_decode_kernel_over_random_batches(
 
 
 @pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128), (4, 4, 64)], ids=["d64", "d128", "mha"])
-def test_prefill_kernel_over_random_chunks(seed: int, heads: tuple[int, int, int]) -> None:
-    """bf16 prefill chunks through `paged_prefill.cpp`: random chunk lengths (tiles of 32 tokens
+def test_prefill_kernel_over_random_chunks(seed: int, dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
+    """Prefill chunks through `paged_prefill.cpp`: random chunk lengths (tiles of 32 tokens
     and blocks of 64 keys cut anywhere) after random cached prefixes, shuffled pages, a sliding
     window on even seeds (the pages before it released), beside decoding sequences in the same
     step, against float64 attention; the kernel (not SDPA) computed them."""
     H, KVH, D = heads
-    if cpu_kernel.prefill(torch.bfloat16, D) is None:
-        pytest.skip("this CPU has no AVX512-BF16: prefill chunks take the SDPA path")
+    if cpu_kernel.prefill(dtype, D) is None:
+        pytest.skip(f"no {dtype} prefill kernel on this CPU (AVX-512, and AVX512-BF16 for bf16): SDPA")
     g = torch.Generator().manual_seed(seed)
     window = None if seed % 2 else int(torch.randint(1, 120, (1,), generator=g))
     B = int(torch.randint(1, 4, (1,), generator=g))
@@ -212,9 +213,9 @@ def test_prefill_kernel_over_random_chunks(seed: int, heads: tuple[int, int, int
         tables.append(torch.tensor([free.pop() for _ in range(-(-kv // S) - first)], dtype=torch.int32))
         firsts.append(first)
     meta = AttentionMetadata.from_tables(tables, firsts, q_lens, kv_lens, S)
-    cache = torch.randn(600, 2, S, KVH, D, generator=g).to(torch.bfloat16)
+    cache = torch.randn(600, 2, S, KVH, D, generator=g).to(dtype)
     T = sum(q_lens)
-    q, k, v = (torch.randn(T, h, D, generator=g).to(torch.bfloat16) for h in (H, KVH, KVH))
+    q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (H, KVH, KVH))
     backend = TorchPagedBackend(H, KVH, D)
     backend.plan(meta)
     with torch.profiler.profile() as prof:
@@ -226,5 +227,6 @@ def test_prefill_kernel_over_random_chunks(seed: int, heads: tuple[int, int, int
         keys = torch.cat([torch.zeros(first * S, KVH, D, dtype=torch.float64), pages[:, 0].reshape(-1, KVH, D)])[:kv]
         values = torch.cat([torch.zeros(first * S, KVH, D, dtype=torch.float64), pages[:, 1].reshape(-1, KVH, D)])[:kv]
         want = reference(q[start : start + n].double(), keys, values, kv, window)
-        torch.testing.assert_close(out[start : start + n].double(), want, rtol=2e-2, atol=2e-2)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[start : start + n].double(), want, rtol=tol, atol=tol)
         start += n
