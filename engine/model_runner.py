@@ -17,8 +17,8 @@ from kvstore.spec import KVSpec
 
 
 def build_kernels(device: torch.device) -> None:
-    """On CPU, the decode attention kernel (`engine/attention/paged_decode.cpp`), built once under
-    `$LONGCTX_HOME/kernels`; backends made after this use it."""
+    """On CPU, the attention kernels (`engine/attention/paged_decode.cpp`, `paged_prefill.cpp`),
+    built once under `$LONGCTX_HOME/kernels`; backends made after this use them."""
     if device.type == "cpu":
         cpu_kernel.load(longctx_home() / "kernels")
 

@@ -14,8 +14,8 @@ from engine.loading.model_source import pull_demo
 
 @pytest.fixture(scope="session", autouse=True)
 def _decode_kernel(request: pytest.FixtureRequest) -> None:
-    """The CPU decode attention kernel, built once into the pytest cache (a few seconds the
-    first time): every backend of the session uses it, as the engine does."""
+    """The CPU attention kernels (decode and prefill), built once into the pytest cache (a few
+    seconds the first time): every backend of the session uses them, as the engine does."""
     cpu_kernel.load(Path(request.config.cache.mkdir("longctx-kernels")))
 
 

@@ -1,5 +1,5 @@
 """Building and loading the CPU attention kernels as torch ops: `paged_decode.cpp` (decode,
-and the step's K/V rows written in) and `paged_prefill.cpp` (a prefill chunk, bf16).
+and the step's K/V rows written in) and `paged_prefill.cpp` (a prefill chunk).
 
 The sources are compiled once with the C++ compiler inductor also uses (g++), against the
 installed torch's headers and libraries, into one `<build dir>/paged_decode-<hash>.so`. The hash
@@ -102,7 +102,7 @@ def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
         cxx = compiler()
         if cxx is None:
             _failed = "no C++ compiler (g++) on PATH"
-            log.warning("decode attention kernel not built (%s); using SDPA", _failed)
+            log.warning("attention kernels not built (%s); using SDPA", _failed)
             return None
         digest = hashlib.sha256()
         for path in (*SOURCES, *HEADERS):
@@ -118,12 +118,12 @@ def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
                     partial = Path(tmp) / so.name
                     subprocess.run(_command(cxx, partial), check=True, capture_output=True, text=True, timeout=600)
                     partial.replace(so)  # atomic: a concurrent start sees a whole file or none
-                log.info("built the decode attention kernel in %.1fs", time.perf_counter() - t0)
+                log.info("built the attention kernels in %.1fs", time.perf_counter() - t0)
             torch.ops.load_library(str(so))
         except (OSError, subprocess.SubprocessError, RuntimeError) as e:
             detail = e.stderr.strip().splitlines()[-1:] if isinstance(e, subprocess.CalledProcessError) else [str(e)]
             _failed = detail[0] if detail else type(e).__name__
-            log.warning("decode attention kernel not built (%s); using SDPA", _failed)
+            log.warning("attention kernels not built (%s); using SDPA", _failed)
             return None
         _op, _store, _prefill = (
             torch.ops.longctx.paged_decode,
@@ -146,7 +146,7 @@ def store_kv() -> Callable[..., None] | None:
 def prefill(dtype: torch.dtype, head_dim: int) -> Callable[..., torch.Tensor] | None:
     """`paged_prefill(q, cache, pages, q0, window, scale)` (one sequence's chunk against its
     cached keys, read in place) once loaded and where this build has a path for `dtype` and
-    `head_dim` (bf16 with AVX512-BF16), else None."""
+    `head_dim` (with AVX-512: float32, and bf16 with AVX512-BF16; head dims 64 and 128), else None."""
     if _prefill is None:
         return None
     key = (dtype, head_dim)

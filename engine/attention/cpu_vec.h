@@ -43,6 +43,19 @@ inline __m512 exp_nonpositive_ps(__m512 x) {
   return _mm512_scalef_ps(p, fi);
 }
 
+// bf16 products by VDPBF16PS over key pairs interleave two V rows within 128-bit lanes
+// (unpacklo/unpackhi_epi16), so of a 32-dim slice the "lo" vector holds dims 0-3, 8-11, 16-19,
+// 24-27 and "hi" the others. Float32 outputs in that order from and to dim order:
+// split(d0..15, d16..31) -> (lo, hi); join(lo, hi) -> (d0..15, d16..31).
+inline void split_interleaved(__m512 a, __m512 b, __m512* lo, __m512* hi) {
+  *lo = _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27), b);
+  *hi = _mm512_permutex2var_ps(a, _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31), b);
+}
+inline void join_interleaved(__m512 lo, __m512 hi, __m512* a, __m512* b) {
+  *a = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), hi);
+  *b = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), hi);
+}
+
 #endif
 
 }  // namespace longctx

@@ -283,25 +283,19 @@ inline void score_block_bf16(const c10::BFloat16* const* rows, int64_t off, int6
 }
 // acc[g] += sum_j p[g][j] v_j by VDPBF16PS, keys in pairs: the two V rows interleaved (one bf16
 // of each per 32-bit lane) against each query's pair of weights, rounded to bf16, broadcast.
-// The interleave works within 128-bit lanes, so of a row's 32-dim slice the "lo" vector holds
-// dims 0-3, 8-11, 16-19, 24-27 and "hi" the others; the accumulators keep that order over the
-// block and are permuted back from and to `acc` around it. Weights past n must be zero.
+// The accumulators keep the interleave's dim order over the block (`split_interleaved`,
+// cpu_vec.h) and are permuted back to `acc` after it. Weights past n must be zero.
 template <int64_t kD, int64_t GN>
 inline void accumulate_queries_bf16(const c10::BFloat16* const* rows, int64_t off, int64_t n, const float* scores,
                                     float* acc) {
   constexpr int64_t W = kD / 32;
-  const __m512i split_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i split_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  const __m512i join_0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i join_1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   __m512 lo[GN][W], hi[GN][W];
   alignas(64) uint32_t pairs[GN][kBlock / 2];
   static_assert(kBlock == 32, "one vector of weight pairs per query");
   for (int64_t g = 0; g < GN; ++g) {
     for (int64_t w = 0; w < W; ++w) {
       const __m512 a0 = _mm512_loadu_ps(acc + g * kD + 32 * w), a1 = _mm512_loadu_ps(acc + g * kD + 32 * w + 16);
-      lo[g][w] = _mm512_permutex2var_ps(a0, split_lo, a1);
-      hi[g][w] = _mm512_permutex2var_ps(a0, split_hi, a1);
+      longctx::split_interleaved(a0, a1, &lo[g][w], &hi[g][w]);
     }
     const __m512bh p = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(scores + g * kBlock + 16), _mm512_loadu_ps(scores + g * kBlock));
     _mm512_store_si512(pairs[g], (__m512i)p);
@@ -321,8 +315,10 @@ inline void accumulate_queries_bf16(const c10::BFloat16* const* rows, int64_t of
   }
   for (int64_t g = 0; g < GN; ++g)
     for (int64_t w = 0; w < W; ++w) {
-      _mm512_storeu_ps(acc + g * kD + 32 * w, _mm512_permutex2var_ps(lo[g][w], join_0, hi[g][w]));
-      _mm512_storeu_ps(acc + g * kD + 32 * w + 16, _mm512_permutex2var_ps(lo[g][w], join_1, hi[g][w]));
+      __m512 a, b;
+      longctx::join_interleaved(lo[g][w], hi[g][w], &a, &b);
+      _mm512_storeu_ps(acc + g * kD + 32 * w, a);
+      _mm512_storeu_ps(acc + g * kD + 32 * w + 16, b);
     }
 }
 

@@ -102,16 +102,28 @@ inline void score_rows(const __m512i* kp, const uint32_t* const* q, float* s) {
     for (int64_t v = 0; v < kNV; ++v) _mm512_storeu_ps(s + r * kKeys + 16 * v, acc[r][v]);
 }
 
-// Outputs of RB rows (float32 in dim order, kD / 16 vectors each), float32 cache: o = o * corr
-// + sum over the block's n keys of the row's weight p[r][j] x V row j.
+// An output pass over RB rows (kD / 16 float32 vectors each): their outputs loaded, scaled by
+// each row's softmax correction, and stored back after the block's products are added.
+template <int64_t kD, int64_t RB>
+inline void load_outputs(const float* o, const float* corr, __m512 (&acc)[RB][kD / 16]) {
+  for (int64_t r = 0; r < RB; ++r) {
+    const __m512 c = _mm512_set1_ps(corr[r]);
+    for (int64_t v = 0; v < kD / 16; ++v) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * kD + 16 * v), c);
+  }
+}
+template <int64_t kD, int64_t RB>
+inline void store_outputs(const __m512 (&acc)[RB][kD / 16], float* o) {
+  for (int64_t r = 0; r < RB; ++r)
+    for (int64_t v = 0; v < kD / 16; ++v) _mm512_storeu_ps(o + r * kD + 16 * v, acc[r][v]);
+}
+
+// Outputs of RB rows (float32 in dim order), float32 cache: o = o * corr + sum over the
+// block's n keys of the row's weight p[r][j] x V row j.
 template <int64_t kD, int64_t RB>
 inline void accumulate_rows_f32(const float* const* vrows, int64_t n, const float* p, const float* corr, float* o) {
   constexpr int64_t C = kD / 16;
   __m512 acc[RB][C];
-  for (int64_t r = 0; r < RB; ++r) {
-    const __m512 c = _mm512_set1_ps(corr[r]);
-    for (int64_t v = 0; v < C; ++v) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * kD + 16 * v), c);
-  }
+  load_outputs<kD, RB>(o, corr, acc);
   for (int64_t j = 0; j < n; ++j) {
     __m512 val[C];
     for (int64_t v = 0; v < C; ++v) val[v] = _mm512_loadu_ps(vrows[j] + 16 * v);
@@ -120,8 +132,7 @@ inline void accumulate_rows_f32(const float* const* vrows, int64_t n, const floa
       for (int64_t v = 0; v < C; ++v) acc[r][v] = _mm512_fmadd_ps(pb, val[v], acc[r][v]);
     }
   }
-  for (int64_t r = 0; r < RB; ++r)
-    for (int64_t v = 0; v < C; ++v) _mm512_storeu_ps(o + r * kD + 16 * v, acc[r][v]);
+  store_outputs<kD, RB>(acc, o);
 }
 
 #if defined(__AVX512BF16__)
@@ -130,24 +141,20 @@ constexpr bool kHasBF16 = true;
 constexpr bool kHasBF16 = false;
 #endif
 
-// Outputs of RB rows (float32, interleaved dim order, kD / 16 vectors each), bf16 cache: o =
-// o * corr + sum over key pairs of the row's weight pair x the V pairs vp[pair * kD / 16 + c].
+// Outputs of RB rows (float32, interleaved dim order), bf16 cache: o = o * corr + sum over key
+// pairs of the row's weight pair x the V pairs vp[pair * kD / 16 + c].
 template <int64_t kD, int64_t RB>
 inline void accumulate_rows_bf16(const __m512i* vp, int64_t pairs, const uint32_t* p, const float* corr, float* o) {
   constexpr int64_t C = kD / 16;
   __m512 acc[RB][C];
-  for (int64_t r = 0; r < RB; ++r) {
-    const __m512 c = _mm512_set1_ps(corr[r]);
-    for (int64_t v = 0; v < C; ++v) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * kD + 16 * v), c);
-  }
+  load_outputs<kD, RB>(o, corr, acc);
   for (int64_t jp = 0; jp < pairs; ++jp) {
     for (int64_t r = 0; r < RB; ++r) {
       const __m512i pb = _mm512_set1_epi32(static_cast<int>(p[r * (kKeys / 2) + jp]));
       for (int64_t v = 0; v < C; ++v) acc[r][v] = word_fma<true>(acc[r][v], vp[jp * C + v], pb);
     }
   }
-  for (int64_t r = 0; r < RB; ++r)
-    for (int64_t v = 0; v < C; ++v) _mm512_storeu_ps(o + r * kD + 16 * v, acc[r][v]);
+  store_outputs<kD, RB>(acc, o);
 }
 
 // A row's block of weights (kNV vectors): bf16 pairs (by key pairs) or float32.
@@ -189,8 +196,8 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
   constexpr int64_t C = kD / 16;            // output vectors per row
   constexpr int64_t RS = 16 / kNV;          // rows per score pass (16 accumulators)
   constexpr int64_t RV = kD <= 64 ? 6 : 3;  // rows per output pass (24 accumulators)
-  const __m512i join_0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i join_1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const float neg = -std::numeric_limits<float>::infinity();
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 
   // Tasks by decreasing cost (later tiles read more keys), dealt to the threads in turn.
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
@@ -256,8 +263,6 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
           for (; r < rows; ++r) score_rows<kBF, W, 1>(kp.data(), &qrows[r], &s[r * kKeys]);
           // Online softmax per row; a mask only where the block crosses a row's bounds.
           const bool edge = kb + kKeys > first_pos + 1 || (window > 0 && kb <= last_pos - window);
-          const float neg = -std::numeric_limits<float>::infinity();
-          const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
           for (r = 0; r < rows; ++r) {
             __m512 sv[kNV];
             __mmask16 mk[kNV];
@@ -311,9 +316,9 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
           for (int64_t v = 0; v < kD / 32; ++v) {
             const __m512 lo = _mm512_loadu_ps(&o[r * kD + 32 * v]), hi = _mm512_loadu_ps(&o[r * kD + 32 * v + 16]);
             if constexpr (kBF) {
-              const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(lo, join_0, hi), inv);
-              const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(lo, join_1, hi), inv);
-              store_bf16(dst + 32 * v, a, b);
+              __m512 a, b;
+              longctx::join_interleaved(lo, hi, &a, &b);
+              store_bf16(dst + 32 * v, _mm512_mul_ps(a, inv), _mm512_mul_ps(b, inv));
             } else {
               _mm512_storeu_ps(reinterpret_cast<float*>(dst) + 32 * v, _mm512_mul_ps(lo, inv));
               _mm512_storeu_ps(reinterpret_cast<float*>(dst) + 32 * v + 16, _mm512_mul_ps(hi, inv));

@@ -11,8 +11,9 @@ one chunk runs as plain causal attention without a mask, and a single decoding s
 slices its keys instead of masking them.
 
 On CPU with the kernels built (`cpu_kernel`), decoding sequences run `paged_decode.cpp` and,
-in bf16 where the CPU has AVX512-BF16, each prefill chunk runs `paged_prefill.cpp`: both read
-K and V where they are in the cache, with no gathered copy and no mask.
+where the build has a path for the dtype and head dim (`cpu_kernel.prefill`), each prefill
+chunk runs `paged_prefill.cpp`: both read K and V where they are in the cache, with no
+gathered copy and no mask.
 """
 
 from __future__ import annotations
