@@ -146,7 +146,7 @@ def store_kv() -> Callable[..., None] | None:
 def prefill(dtype: torch.dtype, head_dim: int) -> Callable[..., torch.Tensor] | None:
     """`paged_prefill(q, cache, pages, q0, window, scale)` (one sequence's chunk against its
     cached keys, read in place) once loaded and where this build has a path for `dtype` and
-    `head_dim` (with AVX-512: float32, and bf16 with AVX512-BF16; head dims 64 and 128), else None."""
+    `head_dim` (with AVX-512: float32 and bf16; head dims 64 and 128), else None."""
     if _prefill is None:
         return None
     key = (dtype, head_dim)

@@ -43,6 +43,38 @@ inline __m512 exp_nonpositive_ps(__m512 x) {
   return _mm512_scalef_ps(p, fi);
 }
 
+// acc + the sums of a's and b's bf16 pairs (word i: a[2i] b[2i] + a[2i+1] b[2i+1]): VDPBF16PS
+// with AVX512-BF16, else each pair widened to float32 (a shift and a mask) and two FMAs.
+inline __m512 dpbf16_ps(__m512 acc, __m512i a, __m512i b) {
+#if defined(__AVX512BF16__)
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)),
+                        acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)),
+                         _mm512_castsi512_ps(_mm512_and_si512(b, high)), acc);
+#endif
+}
+
+// 32 floats as bf16 rounded to nearest even, lo's in words 0-15 and hi's in 16-31
+// (VCVTNE2PS2BF16 with AVX512-BF16; else the rounding in integers, NaN kept quiet).
+inline __m512i cvtne2ps_bf16(__m512 hi, __m512 lo) {
+#if defined(__AVX512BF16__)
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+#else
+  const auto round = [](__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                              _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+  };
+  return _mm512_inserti64x4(_mm512_castsi256_si512(round(lo)), round(hi), 1);
+#endif
+}
+
 // bf16 products by VDPBF16PS over key pairs interleave two V rows within 128-bit lanes
 // (unpacklo/unpackhi_epi16), so of a 32-dim slice the "lo" vector holds dims 0-3, 8-11, 16-19,
 // 24-27 and "hi" the others. Float32 outputs in that order from and to dim order:

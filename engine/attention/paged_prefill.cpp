@@ -6,8 +6,9 @@
 // q0 + t and attends keys k with k <= q0 + t (and k > q0 + t - window when window > 0).
 //
 // Head dims 64 and 128 with AVX-512, flash-attention style: both products as outer products,
-// VDPBF16PS in bf16 (with AVX512-BF16), FMA in float32. Work is split into (KV head, tile of
-// kTile tokens) tasks; a task's rows are its tokens x the G query heads sharing the KV head.
+// in bf16 by VDPBF16PS (without AVX512-BF16 its pairs widened to float32 for FMA, cpu_vec.h),
+// in float32 by FMA. Work is split into (KV head, tile of kTile tokens) tasks; a task's rows
+// are its tokens x the G query heads sharing the KV head.
 // Per block of kKeys keys the task
 //   - transposes the block's K rows into 32-bit words by key (16 keys per vector; a word is a
 //     pair of bf16 dims or one float32 dim), so a score vector is 16 keys of one row: the sum
@@ -77,9 +78,7 @@ inline void transpose16(__m512i* a) {
 // acc + a . b per 32-bit word: bf16 pairs (VDPBF16PS) or float32 (FMA).
 template <bool kBF>
 inline __m512 word_fma(__m512 acc, __m512i a, __m512i b) {
-#if defined(__AVX512BF16__)
-  if constexpr (kBF) return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-#endif
+  if constexpr (kBF) return longctx::dpbf16_ps(acc, a, b);
   return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
 }
 
@@ -135,12 +134,6 @@ inline void accumulate_rows_f32(const float* const* vrows, int64_t n, const floa
   store_outputs<kD, RB>(acc, o);
 }
 
-#if defined(__AVX512BF16__)
-constexpr bool kHasBF16 = true;
-#else
-constexpr bool kHasBF16 = false;
-#endif
-
 // Outputs of RB rows (float32, interleaved dim order), bf16 cache: o = o * corr + sum over key
 // pairs of the row's weight pair x the V pairs vp[pair * kD / 16 + c].
 template <int64_t kD, int64_t RB>
@@ -160,22 +153,17 @@ inline void accumulate_rows_bf16(const __m512i* vp, int64_t pairs, const uint32_
 // A row's block of weights (kNV vectors): bf16 pairs (by key pairs) or float32.
 template <bool kBF>
 inline void store_weights(const __m512* pv, uint32_t* pairs, float* weights) {
-#if defined(__AVX512BF16__)
   if constexpr (kBF) {
-    for (int64_t v = 0; v < kNV; v += 2)
-      _mm512_storeu_si512(pairs + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(pv[v + 1], pv[v]));
+    for (int64_t v = 0; v < kNV; v += 2) _mm512_storeu_si512(pairs + 8 * v, longctx::cvtne2ps_bf16(pv[v + 1], pv[v]));
     return;
   }
-#endif
   for (int64_t v = 0; v < kNV; ++v) _mm512_storeu_ps(weights + 16 * v, pv[v]);
 }
 
 // 32 floats (a then b) as bf16, rounded to nearest even.
 template <typename T>
 inline void store_bf16(T* dst, __m512 a, __m512 b) {
-#if defined(__AVX512BF16__)
-  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-#endif
+  _mm512_storeu_si512(dst, longctx::cvtne2ps_bf16(b, a));
 }
 
 template <typename T, int64_t kD>
@@ -331,7 +319,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
 }
 
 bool supported(c10::ScalarType dtype, int64_t head_dim) {
-  return (dtype == at::kFloat || (dtype == at::kBFloat16 && kHasBF16)) && (head_dim == 64 || head_dim == 128);
+  return (dtype == at::kFloat || dtype == at::kBFloat16) && (head_dim == 64 || head_dim == 128);
 }
 
 #else
