@@ -21,9 +21,12 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
+from engine.attention import cpu_kernel
 from engine.loading.weights import SafetensorsSource, load_model
+from engine.model import linear
 from engine.model.compiled import CompiledStep, compile_available, configure, prepare
 from engine.model.graph_store import NativeGraph
+from engine.model.linear_bf16 import WidenedLinear
 from engine.model.quant import QuantConfig
 from engine.model.regions import post_attention, pre_attention
 from engine.model_runner import Chunk
@@ -162,6 +165,23 @@ def test_int4_compiled_equals_eager_and_reloads_from_the_store(dense: TinyModel)
         assert any(c.fn.constants for c in calls)  # type: ignore[union-attr]
     for (eager, a), (_, b) in zip(*runs, strict=True):
         assert _rel(eager, a) <= 1e-5 and torch.equal(a, b)
+
+
+def test_widened_bf16_compiled_equals_eager(dense: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 linears computed in float32 (`linear_bf16.py`, the path of CPUs that emulate bf16):
+    the kernel's op traced into the regions' graphs, no graph breaks, logits as eager's (bf16
+    activations: a compiled graph rounds fewer intermediates than eager's separate ops)."""
+    if cpu_kernel.linear_bf16() is None:
+        pytest.skip("no linear_bf16 kernel in this build (needs AVX-512)")
+    monkeypatch.setattr(linear, "bf16_emulated", lambda: True)
+    model, _ = load_model(dense.config, SafetensorsSource(dense.path), torch.bfloat16, progress=False)
+    assert isinstance(model.model.layers[0].mlp.down_proj, WidenedLinear)
+    breaks = sum(counters["graph_break"].values())
+    run = _compiled_run(TinyModel(dense.ref, dense.path, dense.config, model), DENSE_STEPS)
+    assert run["buckets"] == DENSE_BUCKETS and run["graphs"] == 2 * len(DENSE_BUCKETS)
+    assert sum(counters["graph_break"].values()) == breaks
+    for eager, compiled in run["first"] + run["second"]:
+        assert _rel(eager, compiled) <= 2e-2
 
 
 def _outermost_ops(fn: Callable[[], object]) -> int:

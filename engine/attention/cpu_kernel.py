@@ -1,5 +1,6 @@
-"""Building and loading the CPU attention kernels as torch ops: `paged_decode.cpp` (decode,
-and the step's K/V rows written in) and `paged_prefill.cpp` (a prefill chunk).
+"""Building and loading the CPU kernels as torch ops: `paged_decode.cpp` (decode, and the step's
+K/V rows written in), `paged_prefill.cpp` (a prefill chunk) and `engine/model/linear_bf16.cpp`
+(bf16 linears in float32 where the CPU emulates bf16).
 
 The sources are compiled once with the C++ compiler inductor also uses (g++), against the
 installed torch's headers and libraries, into one `<build dir>/paged_decode-<hash>.so`. The hash
@@ -28,7 +29,12 @@ import torch
 
 log = logging.getLogger("longctx.attention")
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_decode.cpp", "paged_prefill.cpp"))
+# The attention kernels, and the bf16 linear for CPUs that emulate bf16 (engine/model/linear_bf16.py),
+# built into the same library.
+SOURCES = (
+    *(Path(__file__).with_name(n) for n in ("paged_decode.cpp", "paged_prefill.cpp")),
+    Path(__file__).parent.parent / "model" / "linear_bf16.cpp",
+)
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
 DTYPES = (torch.float32, torch.bfloat16)  # of the queries and the cache
 # -march=native: the build runs on the machine that serves. Fast math without
@@ -52,6 +58,7 @@ _lock = threading.Lock()
 _op: Callable[..., torch.Tensor] | None = None
 _store: Callable[..., None] | None = None
 _prefill: Callable[..., torch.Tensor] | None = None
+_linear_bf16: Callable[..., torch.Tensor] | None = None
 _prefill_paths: dict[tuple[torch.dtype, int], bool] = {}  # (dtype, head dim) -> the build has a path
 _failed: str | None = None
 
@@ -95,7 +102,7 @@ def _command(cxx: str, out: Path) -> list[str]:
 
 def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
     """`torch.ops.longctx.paged_decode`, built under `build_dir` if needed; None if it cannot be."""
-    global _op, _store, _prefill, _failed
+    global _op, _store, _prefill, _linear_bf16, _failed
     with _lock:
         if _op is not None or _failed is not None:
             return _op
@@ -130,6 +137,9 @@ def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
             torch.ops.longctx.store_kv,
             torch.ops.longctx.paged_prefill,
         )
+        if torch.ops.longctx.linear_bf16_supported():
+            _linear_bf16 = torch.ops.longctx.linear_bf16
+            torch.library.register_fake("longctx::linear_bf16", _linear_bf16_shape)
         return _op
 
 
@@ -141,6 +151,17 @@ def loaded() -> Callable[..., torch.Tensor] | None:
 def store_kv() -> Callable[..., None] | None:
     """`store_kv(cache, k, v, slots)` (the step's K/V rows copied in) once loaded, else None."""
     return _store
+
+
+def linear_bf16() -> Callable[..., torch.Tensor] | None:
+    """`linear_bf16(x [M, K], w [N, K], b [N] | None)` (bf16 in, float32 sums, bf16 out; K a
+    multiple of 16) once loaded with an AVX-512 build, else None."""
+    return _linear_bf16
+
+
+def _linear_bf16_shape(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The op's output for tracing (`torch.compile` calls it inside compiled regions)."""
+    return x.new_empty((x.shape[0], w.shape[0]))
 
 
 def prefill(dtype: torch.dtype, head_dim: int) -> Callable[..., torch.Tensor] | None:

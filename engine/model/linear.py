@@ -1,5 +1,6 @@
-"""Linear layers with weights prepacked for oneDNN (bfloat16 on CPU) or quantized (`quant.py`),
-and the conversion of a loaded model's linears, MoE experts and tied LM head to them.
+"""Linear layers with weights prepacked for oneDNN (bfloat16 on CPU), computed in float32
+(bfloat16 on CPUs that emulate it, `linear_bf16.py`) or quantized (`quant.py`), and the
+conversion of a loaded model's linears, MoE experts and tied LM head to them.
 
 torch's `F.linear` on CPU reorders a bf16 weight into oneDNN's blocked layout on every call;
 for the small-batch matmuls of decoding that reorder costs as much as the product itself.
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine.model.linear_bf16 import WidenedLinear, bf16_emulated
 from engine.model.moe import SparseMoE
 from engine.model.quant import NONE, Int4Blocks, QuantConfig, QuantEmbedding, QuantLinear
 
@@ -71,12 +73,15 @@ def make_linear(
     blocks: Int4Blocks | None = None,
     hessian: torch.Tensor | None = None,
 ) -> nn.Module | None:
-    """The fast module for `y = x W^T + b` (weight [out, in]): quantized, prepacked bf16, or
-    None when plain `F.linear` is as good (float32, or no oneDNN). blocks: the weight's own 4-bit
+    """The fast module for `y = x W^T + b` (weight [out, in]): quantized, bf16 computed in
+    float32 where the CPU emulates bf16 (`linear_bf16.py`), prepacked bf16, or None when plain
+    `F.linear` is as good (float32, or no oneDNN). blocks: the weight's own 4-bit
     codes (a GGUF's Q4_0 / Q4_1), which int4 at group 32 takes as they are. hessian: int4's
     calibration statistics for the weight's input columns (`engine/loading/calibrate.py`)."""
     if quant.enabled:
         return QuantLinear(weight, bias, quant, weight.dtype, absmax, blocks, hessian)
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and bf16_emulated():
+        return WidenedLinear(weight, bias)
     if packing_supported(weight.dtype, weight.device):
         return PackedLinear(weight, bias)
     return None

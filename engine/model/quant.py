@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model import int4_calibrated as calib
+from engine.model.linear_bf16 import bf16_emulated
 
 QUANTIZATIONS = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -213,6 +214,15 @@ class Int4Blocks:
         return self.codes.int(), sz.contiguous()
 
 
+def dequantized_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Prefill-sized int8 products: the int8 kernel is a matrix-vector design (~5x slower than a
+    bf16 AMX matmul at 512 rows); widening the weight per call costs far less. In float32 where
+    the CPU emulates bf16 (`linear_bf16.py`)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and bf16_emulated():
+        return F.linear(x.float(), q.float() * scales.float()[:, None]).to(x.dtype)
+    return F.linear(x, q.to(x.dtype) * scales[:, None])
+
+
 class QuantLinear(nn.Module):
     """`y = x W^T (+ b)` with W int8 or int4; x [..., K] in `dtype` -> [..., N].
 
@@ -257,9 +267,7 @@ class QuantLinear(nn.Module):
         if self.mode == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales)
         elif x2.shape[0] >= DEQUANTIZE_ROWS:
-            # Prefill-sized products: the int8 kernel is a matrix-vector design (~5x slower than a
-            # bf16 AMX matmul at 512 rows); widening the weight per call costs far less.
-            y = F.linear(x2, self.qweight.to(x2.dtype) * self.scales[:, None])
+            y = dequantized_matmul(x2, self.qweight, self.scales)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         if self.bias is not None:

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.linear import PackedLinear
-from engine.model.quant import DEQUANTIZE_ROWS, QuantLinear
+from engine.model.linear_bf16 import WidenedLinear, widened_matmul
+from engine.model.quant import DEQUANTIZE_ROWS, QuantLinear, dequantized_matmul
 
-# (kind, weight, bias, scales, int4 group size); kind one of linear, packed, int8, int4.
+# (kind, weight, bias, scales, int4 group size); kind one of linear, packed, widened, int8, int4.
 LinearSpec = tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]
 
 
@@ -27,6 +28,8 @@ def linear_spec(module: nn.Module) -> LinearSpec:
         return (module.mode, module.qweight, module.bias, module.scales, module.group_size)
     if isinstance(module, PackedLinear):
         return ("packed", module.weight, module.bias, None, 0)
+    if isinstance(module, WidenedLinear):
+        return ("widened", module.weight, module.bias, None, 0)
     if isinstance(module, nn.Linear):
         return ("linear", module.weight, module.bias, None, 0)
     raise TypeError(f"no compiled form for the linear layer {type(module).__name__}")
@@ -39,11 +42,13 @@ def apply_linear(x: torch.Tensor, spec: LinearSpec) -> torch.Tensor:
         return F.linear(x, w, b)
     if kind == "packed":
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    if kind == "widened":
+        return widened_matmul(x, w, b)
     assert scales is not None
     if kind == "int4":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, scales)
     elif x.shape[0] >= DEQUANTIZE_ROWS:
-        y = F.linear(x, w.to(x.dtype) * scales[:, None])
+        y = dequantized_matmul(x, w, scales)
     else:
         y = torch.ops.aten._weight_int8pack_mm(x, w, scales)
     return y if b is None else y + b

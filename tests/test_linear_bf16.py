@@ -1,0 +1,80 @@
+"""bf16 linears computed in float32 (`engine/model/linear_bf16.py`, `linear_bf16.cpp`), the
+path for CPUs that emulate bf16: the kernel against a float64 product of the same bf16 values,
+and whole tiny models (dense, MoE) built with it against transformers in float32. The models
+force the path (`bf16_emulated`) so that it is tested on every AVX-512 CPU."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+from engine.attention import cpu_kernel
+from engine.loading.weights import SafetensorsSource, load_model
+from engine.model import linear
+from engine.model.linear_bf16 import KERNEL_ROWS, WidenedLinear, widened_matmul
+from kvstore.block_pool import BlockPool
+from tests.tiny_models import build_tiny, make_runner, reference_logits, rel_error, run_chunked
+
+
+def _close_to_exact(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """y (bf16) is the float64 product of the same bf16 values, rounded once: within half a bf16
+    step (at most 2^-8 relative) plus float32 summation error (a few 1e-7 of the sum of |terms|)."""
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    terms = F.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
+    bound = exact.abs() * 2.0**-8 + terms * 1e-6
+    assert y.dtype == torch.bfloat16 and y.shape == exact.shape
+    assert bool(((y.double() - exact).abs() <= bound).all())
+
+
+def _cases(n: int) -> list[tuple[int, int, int, bool]]:
+    rng = random.Random(7)
+    fixed = [(0, 32, 16, False), (1, 1728, 576, True), (4, 576, 1536, False), (16, 160, 64, True), (33, 40, 48, True)]
+    return fixed + [
+        (rng.randint(1, KERNEL_ROWS + 8), rng.randint(1, 80), 16 * rng.randint(1, 12), rng.random() < 0.5)
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "bias"), _cases(20))
+def test_kernel_equals_the_exact_product_rounded(m: int, n: int, k: int, bias: bool) -> None:
+    """Every tile shape (1 x 16, 2 x 8, 4 x 4, their mixes), N's tail past a multiple of 16, rows
+    read with a stride, with and without bias; and `widened_matmul` past KERNEL_ROWS (oneDNN in
+    float32)."""
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x = torch.randn(m, k + 16, generator=g).to(torch.bfloat16)[:, :k]  # rows strided by k + 16
+    w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    op = cpu_kernel.linear_bf16()
+    if op is None:  # the kernels are built by conftest's session fixture
+        pytest.skip("no linear_bf16 kernel in this build (needs AVX-512)")
+    _close_to_exact(op(x, w, b), x, w, b)
+    _close_to_exact(widened_matmul(x, w, b), x, w, b)
+
+
+@pytest.fixture
+def widened(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Models loaded in bf16 get `WidenedLinear`s whatever this CPU's bf16 support."""
+    monkeypatch.setattr(linear, "bf16_emulated", lambda: True)
+
+
+@pytest.mark.parametrize(
+    ("config_cls", "model_cls", "kwargs"),
+    [(LlamaConfig, LlamaForCausalLM, {}), (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4})],
+)
+def test_widened_models_close_to_float32(
+    widened: None, tmp_path: Path, config_cls: type, model_cls: type, kwargs: dict[str, int]
+) -> None:
+    t = build_tiny(config_cls, model_cls, tmp_path, **kwargs)
+    model, _ = load_model(t.config, SafetensorsSource(t.path), torch.bfloat16, progress=False)
+    layers = [m for m in model.modules() if isinstance(m, WidenedLinear)]
+    # q/k/v, o, gate/up, down per dense layer (experts: two per expert); the tied head too
+    assert len(layers) >= 3 * t.config.num_layers and isinstance(model.tied_head or model.lm_head, WidenedLinear)
+    ids = torch.randint(0, t.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    runner = make_runner(t.config, model)
+    out = run_chunked(runner, BlockPool(runner.kv_cache.num_pages), ids, 8)  # decode-sized and prefill chunks
+    assert rel_error(out, reference_logits(t.ref, ids)) < 3e-2
