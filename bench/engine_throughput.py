@@ -214,6 +214,7 @@ def _matmul_floor_ms(model: Any, reps: int = 20) -> float:
 MATMUL_OPS = (
     "mkldnn::_linear_pointwise",
     "aten::_weight_int8pack_mm",
+    "longctx::linear_bf16",
     "aten::_weight_int4pack_mm_for_cpu",
     "aten::mm",
     "aten::addmm",
