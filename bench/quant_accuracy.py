@@ -26,6 +26,7 @@ from engine.attention.torch_paged import TorchPagedBackend
 from engine.loading.loader import LoadedModel, load
 from engine.loading.model_source import pull_demo
 from engine.model.linear import PackedLinear
+from engine.model.linear_bf16 import WidenedLinear
 from engine.model.model import CausalLM
 from engine.model_runner import Chunk, ModelRunner
 from kvstore.block_pool import BlockPool
@@ -81,9 +82,11 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 
 
 def held_bytes(model: CausalLM) -> int:
-    """Bytes of weights held; a bf16 model's prepacked copy of its tied head is not counted (the
-    comparison is against the checkpoint's bf16 weights)."""
-    skip = {id(p) for p in model.tied_head.parameters()} if isinstance(model.tied_head, PackedLinear) else set()
+    """Bytes of weights held; a bf16 model's tied head is not counted (a prepacked copy, or the
+    embedding's own tensor under another parameter; the comparison is against the checkpoint's
+    bf16 weights)."""
+    tied = isinstance(model.tied_head, (PackedLinear, WidenedLinear))
+    skip = {id(p) for p in model.tied_head.parameters()} if tied else set()
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in skip}
     return sum(t.numel() * t.element_size() for t in tensors.values() if t.dtype != torch.float32 or t.dim() > 1)
 

@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralFo
 
 from engine.attention import cpu_kernel
 from engine.loading.weights import SafetensorsSource, load_model
-from engine.model import linear
+from engine.model import linear, quant
 from engine.model.compiled import CompiledStep, compile_available, configure, prepare
 from engine.model.graph_store import NativeGraph
 from engine.model.linear_bf16 import WidenedLinear
@@ -179,6 +179,22 @@ def test_widened_bf16_compiled_equals_eager(dense: TinyModel, monkeypatch: pytes
     breaks = sum(counters["graph_break"].values())
     run = _compiled_run(TinyModel(dense.ref, dense.path, dense.config, model), DENSE_STEPS)
     assert run["buckets"] == DENSE_BUCKETS and run["graphs"] == 2 * len(DENSE_BUCKETS)
+    assert sum(counters["graph_break"].values()) == breaks
+    for eager, compiled in run["first"] + run["second"]:
+        assert _rel(eager, compiled) <= 2e-2
+
+
+def test_int8_bf16_compiled_equals_eager(dense: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 with bf16 activations, through the prefill-sized bucket whose products dequantize the
+    weight (`DEQUANTIZE_ROWS`), in float32 as where the CPU emulates bf16: traced without a
+    break, logits as eager's."""
+    monkeypatch.setattr(quant, "BF16_EMULATED", True)
+    model, _ = load_model(
+        dense.config, SafetensorsSource(dense.path), torch.bfloat16, progress=False, quantization=QuantConfig("int8")
+    )
+    breaks = sum(counters["graph_break"].values())
+    run = _compiled_run(TinyModel(dense.ref, dense.path, dense.config, model), [{0: (0, 60)}, {0: (60, 1)}])
+    assert run["buckets"] == {1, 64}
     assert sum(counters["graph_break"].values()) == breaks
     for eager, compiled in run["first"] + run["second"]:
         assert _rel(eager, compiled) <= 2e-2

@@ -214,11 +214,16 @@ class Int4Blocks:
         return self.codes.int(), sz.contiguous()
 
 
+# Read once at import: the compiled regions call `dequantized_matmul`, and dynamo cannot trace
+# the cached lookup of the CPU's flags.
+BF16_EMULATED = bf16_emulated()
+
+
 def dequantized_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Prefill-sized int8 products: the int8 kernel is a matrix-vector design (~5x slower than a
     bf16 AMX matmul at 512 rows); widening the weight per call costs far less. In float32 where
     the CPU emulates bf16 (`linear_bf16.py`)."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and bf16_emulated():
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and BF16_EMULATED:
         return F.linear(x.float(), q.float() * scales.float()[:, None]).to(x.dtype)
     return F.linear(x, q.to(x.dtype) * scales[:, None])
 
