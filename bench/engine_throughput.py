@@ -215,6 +215,7 @@ MATMUL_OPS = (
     "mkldnn::_linear_pointwise",
     "aten::_weight_int8pack_mm",
     "longctx::linear_bf16",
+    "longctx::linear_int8",
     "aten::_weight_int4pack_mm_for_cpu",
     "aten::mm",
     "aten::addmm",

@@ -1,7 +1,7 @@
 """bf16 linears computed in float32 (`engine/model/linear_bf16.py`, `linear_bf16.cpp`), the
-path for CPUs that emulate bf16: the kernel against a float64 product of the same bf16 values,
-and whole tiny models (dense, MoE) built with it against transformers in float32. The models
-force the path (`bf16_emulated`) so that it is tested on every AVX-512 CPU."""
+path for CPUs that emulate bf16: the kernel (and its int8 form) against a float64 product of
+the same values, and whole tiny models (dense, MoE) built with it against transformers in
+float32. The models force the path (`bf16_emulated`) so that it is tested on every AVX-512 CPU."""
 
 from __future__ import annotations
 
@@ -54,6 +54,24 @@ def test_kernel_equals_the_exact_product_rounded(m: int, n: int, k: int, bias: b
         pytest.skip("no linear_bf16 kernel in this build (needs AVX-512)")
     _close_to_exact(op(x, w, b), x, w, b)
     _close_to_exact(widened_matmul(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "_"), _cases(10))
+def test_int8_kernel_equals_the_exact_product_rounded(m: int, n: int, k: int, _: bool) -> None:
+    """The int8 kernel (per-row scales; the path of int8 linears with bf16 activations where the
+    CPU emulates bf16) on the same tile shapes, against the exact scaled product."""
+    op = cpu_kernel.linear_int8()
+    if op is None:
+        pytest.skip("no linear_int8 kernel in this build (needs AVX-512)")
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x = torch.randn(m, k + 16, generator=g).to(torch.bfloat16)[:, :k]
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) * 0.02).to(torch.bfloat16)
+    y = op(x, q, scales)
+    exact = (x.double() @ q.double().T) * scales.double()
+    terms = (x.double().abs() @ q.double().abs().T) * scales.double()
+    assert y.dtype == torch.bfloat16 and y.shape == exact.shape
+    assert bool(((y.double() - exact).abs() <= exact.abs() * 2.0**-8 + terms * 1e-6).all())
 
 
 @pytest.fixture

@@ -59,6 +59,7 @@ _op: Callable[..., torch.Tensor] | None = None
 _store: Callable[..., None] | None = None
 _prefill: Callable[..., torch.Tensor] | None = None
 _linear_bf16: Callable[..., torch.Tensor] | None = None
+_linear_int8: Callable[..., torch.Tensor] | None = None
 _prefill_paths: dict[tuple[torch.dtype, int], bool] = {}  # (dtype, head dim) -> the build has a path
 _failed: str | None = None
 
@@ -102,7 +103,7 @@ def _command(cxx: str, out: Path) -> list[str]:
 
 def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
     """`torch.ops.longctx.paged_decode`, built under `build_dir` if needed; None if it cannot be."""
-    global _op, _store, _prefill, _linear_bf16, _failed
+    global _op, _store, _prefill, _linear_bf16, _linear_int8, _failed
     with _lock:
         if _op is not None or _failed is not None:
             return _op
@@ -138,8 +139,9 @@ def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
             torch.ops.longctx.paged_prefill,
         )
         if torch.ops.longctx.linear_bf16_supported():
-            _linear_bf16 = torch.ops.longctx.linear_bf16
-            torch.library.register_fake("longctx::linear_bf16", _linear_bf16_shape)
+            _linear_bf16, _linear_int8 = torch.ops.longctx.linear_bf16, torch.ops.longctx.linear_int8
+            torch.library.register_fake("longctx::linear_bf16", _linear_shape)
+            torch.library.register_fake("longctx::linear_int8", _linear_shape)
         return _op
 
 
@@ -159,8 +161,14 @@ def linear_bf16() -> Callable[..., torch.Tensor] | None:
     return _linear_bf16
 
 
-def _linear_bf16_shape(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """The op's output for tracing (`torch.compile` calls it inside compiled regions)."""
+def linear_int8() -> Callable[..., torch.Tensor] | None:
+    """`linear_int8(x [M, K] bf16, w [N, K] int8, scales [N])` (x W^T times each row's scale;
+    float32 sums, bf16 out; K a multiple of 16) once loaded with an AVX-512 build, else None."""
+    return _linear_int8
+
+
+def _linear_shape(x: torch.Tensor, w: torch.Tensor, _: torch.Tensor | None) -> torch.Tensor:
+    """The linear ops' output for tracing (`torch.compile` calls them inside compiled regions)."""
     return x.new_empty((x.shape[0], w.shape[0]))
 
 

@@ -10,9 +10,13 @@
 // 2 * MR * NR FMAs; the 16 accumulators' sums land in one vector (`sum16`). One row of x: 1 x 16
 // (the weights' bytes are the bound); two or three: 2 x 8; four and more: 4 x 4, weight rows
 // read from L1 by each group of four rows. Threads take contiguous ranges of 16 weight rows.
+// The same tiles take int8 weights (int8 weight-only linears with bf16 activations, where
+// `_weight_int8pack_mm` is slower on such CPUs): 32 codes sign-extended and converted in two
+// vectors (x's rows then in order), each row's sum times its scale.
 //
-// Registered as torch.ops.longctx.linear_bf16(x [M, K], w [N, K], b [N] or None) -> [M, N]
-// (K a multiple of 16, x's rows and w contiguous) and linear_bf16_supported() -> bool.
+// Registered as torch.ops.longctx.linear_bf16(x [M, K], w [N, K], b [N] or None) -> [M, N],
+// linear_int8(x [M, K] bf16, w [N, K] int8, scales [N]) -> [M, N] bf16 (K a multiple of 16, x's
+// rows and w contiguous) and linear_bf16_supported() -> bool.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -55,44 +59,76 @@ inline __m512 widen(const c10::BFloat16* p) {
 // values (a 32-bit word's low half shifted up) and the odd-numbered (its high half kept).
 inline void widen_pairs(const c10::BFloat16* p, __m512* even, __m512* odd) {
   const __m512i v = _mm512_loadu_si512(p);
-  // A byte shuffle (port 5) rather than a shift (port 0, the FMAs' port).
-
   *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
   *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// x's rows in float32 with each 32 columns as their even-numbered then odd-numbered values (the
-// order `widen_pairs` gives the weights'), a last 16 columns (K % 32 == 16) in order.
-inline void widen_rows(const c10::BFloat16* x, int64_t stride, int64_t M, int64_t K, float* xf) {
+// x's rows in float32: with `pairs`, each 32 columns as their even-numbered then odd-numbered
+// values (the order `widen_pairs` gives bf16 weights), else in order; a last 16 columns
+// (K % 32 == 16) in order.
+inline void widen_rows(const c10::BFloat16* x, int64_t stride, int64_t M, int64_t K, bool pairs, float* xf) {
   for (int64_t m = 0; m < M; ++m) {
     const c10::BFloat16* src = x + m * stride;
     float* dst = xf + m * K;
     int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
+    for (; pairs && k + 32 <= K; k += 32) {
       __m512 e, o;
       widen_pairs(src + k, &e, &o);
       _mm512_storeu_ps(dst + k, e);
       _mm512_storeu_ps(dst + k + 16, o);
     }
-    if (k < K) _mm512_storeu_ps(dst + k, widen(src + k));
+    for (; k < K; k += 16) _mm512_storeu_ps(dst + k, widen(src + k));
   }
 }
 
-// Output rows m0..m0+MR-1, weight rows n0..n0+NR-1: y[m][n] = x[m] . w[n] (+ b[n]). kAhead:
-// also prefetch the same columns of the weight rows 16 further on into L2 (the weights stream
-// from memory once per step: ~1.5-2x faster for the LM head's 56 MB at 1-16 rows; into L1
-// they would evict x's rows).
-template <int MR, int NR, bool kAhead = false>
-inline void tile(const float* xf, const c10::BFloat16* w, const c10::BFloat16* b, int64_t K, int64_t N, int64_t m0,
-                 int64_t n0, c10::BFloat16* y) {
+// A weight row's values as float32: 32 at a time in two vectors, in the order x's rows are
+// widened to (`kPairs`), and 16 in order (K's last 16 when K % 32 == 16).
+template <typename W>
+struct Weights;
+template <>
+struct Weights<c10::BFloat16> {
+  static constexpr bool kPairs = true;
+  static void load32(const c10::BFloat16* p, __m512* a, __m512* b) { widen_pairs(p, a, b); }
+  static __m512 load16(const c10::BFloat16* p) { return widen(p); }
+};
+template <>
+struct Weights<int8_t> {  // int8 codes, sign-extended and converted
+  static constexpr bool kPairs = false;
+  static void load32(const int8_t* p, __m512* a, __m512* b) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    *a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    *b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+  }
+  static __m512 load16(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+
+// y[m][n] = x[m] . w[n] (times sc[n] for int8 codes, plus b[n]), rounded to bf16 once.
+struct Out {
+  const float* sc;          // per weight row, or nullptr
+  const c10::BFloat16* b;   // per weight row, or nullptr
+  c10::BFloat16* y;         // [M, N]
+  int64_t N;
+  void store(int64_t m, int64_t n, float dot) const {
+    const float v = (sc != nullptr ? dot * sc[n] : dot) + (b != nullptr ? static_cast<float>(b[n]) : 0.f);
+    y[m * N + n] = c10::BFloat16(v);
+  }
+};
+
+// Output rows m0..m0+MR-1, weight rows n0..n0+NR-1. kAhead: also prefetch the same columns of
+// the weight rows 16 further on into L2 (the weights stream from memory once per step: ~1.5-2x
+// faster for the LM head's 56 MB at 1-16 rows; into L1 they would evict x's rows).
+template <typename W, int MR, int NR, bool kAhead = false>
+inline void tile(const float* xf, const W* w, int64_t K, int64_t m0, int64_t n0, const Out& out) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   const float* xr = xf + m0 * K;
-  const c10::BFloat16* wr = w + n0 * K;
+  const W* wr = w + n0 * K;
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     __m512 we[NR], wo[NR];
-    for (int j = 0; j < NR; ++j) widen_pairs(wr + j * K + k, &we[j], &wo[j]);
+    for (int j = 0; j < NR; ++j) Weights<W>::load32(wr + j * K + k, &we[j], &wo[j]);
     if constexpr (kAhead)
       for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr + (16 + j) * K + k), _MM_HINT_T1);
     for (int i = 0; i < MR; ++i) {
@@ -106,48 +142,57 @@ inline void tile(const float* xf, const c10::BFloat16* w, const c10::BFloat16* b
   if (k < K) {
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_loadu_ps(xr + i * K + k);
-      for (int j = 0; j < NR; ++j) acc[i * NR + j] = _mm512_fmadd_ps(xv, widen(wr + j * K + k), acc[i * NR + j]);
+      for (int j = 0; j < NR; ++j)
+        acc[i * NR + j] = _mm512_fmadd_ps(xv, Weights<W>::load16(wr + j * K + k), acc[i * NR + j]);
     }
   }
   alignas(64) float s[16];
   _mm512_store_ps(s, sum16(acc));
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      const float bias = b != nullptr ? static_cast<float>(b[n0 + j]) : 0.f;
-      y[(m0 + i) * N + n0 + j] = c10::BFloat16(s[i * NR + j] + bias);
-    }
+    for (int j = 0; j < NR; ++j) out.store(m0 + i, n0 + j, s[i * NR + j]);
 }
 
 // Weight rows n0..n0+15 against every row of x.
-inline void block16(const float* xf, const c10::BFloat16* w, const c10::BFloat16* b, int64_t M, int64_t K, int64_t N,
-                    int64_t n0, c10::BFloat16* y) {
+template <typename W>
+inline void block16(const float* xf, const W* w, int64_t M, int64_t K, int64_t n0, const Out& out) {
   int64_t m = 0;  // the first rows' tiles prefetch the next 16 weight rows (the next block's)
   for (; m + 4 <= M; m += 4)
     for (int64_t j = 0; j < 16; j += 4)
-      m == 0 ? tile<4, 4, true>(xf, w, b, K, N, m, n0 + j, y) : tile<4, 4>(xf, w, b, K, N, m, n0 + j, y);
+      m == 0 ? tile<W, 4, 4, true>(xf, w, K, m, n0 + j, out) : tile<W, 4, 4>(xf, w, K, m, n0 + j, out);
   for (; m + 2 <= M; m += 2)
     for (int64_t j = 0; j < 16; j += 8)
-      m == 0 ? tile<2, 8, true>(xf, w, b, K, N, m, n0 + j, y) : tile<2, 8>(xf, w, b, K, N, m, n0 + j, y);
-  for (; m < M; ++m) m == 0 ? tile<1, 16, true>(xf, w, b, K, N, m, n0, y) : tile<1, 16>(xf, w, b, K, N, m, n0, y);
+      m == 0 ? tile<W, 2, 8, true>(xf, w, K, m, n0 + j, out) : tile<W, 2, 8>(xf, w, K, m, n0 + j, out);
+  for (; m < M; ++m) m == 0 ? tile<W, 1, 16, true>(xf, w, K, m, n0, out) : tile<W, 1, 16>(xf, w, K, m, n0, out);
 }
 
 // The last N % 16 weight rows, one dot product at a time.
-inline void tail(const float* xf, const c10::BFloat16* w, const c10::BFloat16* b, int64_t M, int64_t K, int64_t N,
-                 int64_t n0, c10::BFloat16* y) {
-  for (int64_t n = n0; n < N; ++n)
+template <typename W>
+inline void tail(const float* xf, const W* w, int64_t M, int64_t K, int64_t n0, const Out& out) {
+  for (int64_t n = n0; n < out.N; ++n)
     for (int64_t m = 0; m < M; ++m) {
       __m512 acc = _mm512_setzero_ps();
       int64_t k = 0;
       for (; k + 32 <= K; k += 32) {
         __m512 e, o;
-        widen_pairs(w + n * K + k, &e, &o);
+        Weights<W>::load32(w + n * K + k, &e, &o);
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * K + k), e, acc);
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * K + k + 16), o, acc);
       }
-      if (k < K) acc = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * K + k), widen(w + n * K + k), acc);
-      const float bias = b != nullptr ? static_cast<float>(b[n]) : 0.f;
-      y[m * N + n] = c10::BFloat16(_mm512_reduce_add_ps(acc) + bias);
+      if (k < K) acc = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * K + k), Weights<W>::load16(w + n * K + k), acc);
+      out.store(m, n, _mm512_reduce_add_ps(acc));
     }
+}
+
+template <typename W>
+void run(const at::Tensor& x, const W* w, int64_t N, const Out& out) {
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<float> xf(M * K);
+  widen_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, Weights<W>::kPairs, xf.data());
+  const int64_t blocks = N / 16;
+  longctx::maybe_parallel(blocks, blocks * 16 * K * std::max<int64_t>(M, 4), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) block16<W>(xf.data(), w, M, K, 16 * i, out);
+  });
+  tail<W>(xf.data(), w, M, K, 16 * blocks, out);
 }
 
 bool supported() { return true; }
@@ -160,32 +205,41 @@ bool supported() { return false; }
 
 bool linear_bf16_supported() { return supported(); }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(supported(), "linear_bf16: this build has no AVX-512 path");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "x and w must be bf16");
+void check_x(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(supported(), "linear kernels: this build has no AVX-512 path");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bf16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x: [M, K] with contiguous rows");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1), "w: [N, K] contiguous, K as x's");
   TORCH_CHECK(x.size(1) % 16 == 0, "K must be a multiple of 16");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const c10::BFloat16* bp = nullptr;
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  check_x(x, w);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "w must be bf16");
+  const int64_t M = x.size(0), N = w.size(0);
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
     TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == N, "b: [N] bf16");
-    bp = b.data_ptr<c10::BFloat16>();
   }
   at::Tensor y = at::empty({M, N}, x.options());
 #if defined(__AVX512F__)
-  if (M == 0 || N == 0) return y;
-  std::vector<float> xf(M * K);
-  widen_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, xf.data());
-  const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  const int64_t blocks = N / 16;
-  longctx::maybe_parallel(blocks, blocks * 16 * K * std::max<int64_t>(M, 4), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) block16(xf.data(), wp, bp, M, K, N, 16 * i, yp);
-  });
-  tail(xf.data(), wp, bp, M, K, N, 16 * blocks, yp);
+  if (M > 0 && N > 0)
+    run<c10::BFloat16>(x, w.data_ptr<c10::BFloat16>(), N,
+                       Out{nullptr, b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), N});
+#endif
+  return y;
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  check_x(x, w);
+  TORCH_CHECK(w.scalar_type() == at::kChar, "w must be int8");
+  const int64_t M = x.size(0), N = w.size(0);
+  TORCH_CHECK(scales.dim() == 1 && scales.numel() == N, "scales: [N]");
+  const at::Tensor sc = scales.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+#if defined(__AVX512F__)
+  if (M > 0 && N > 0) run<int8_t>(x, w.data_ptr<int8_t>(), N, Out{sc.data_ptr<float>(), nullptr, y.data_ptr<c10::BFloat16>(), N});
 #endif
   return y;
 }
@@ -194,7 +248,11 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::opti
 
 TORCH_LIBRARY_FRAGMENT(longctx, m) {
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? b) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
   m.def("linear_bf16_supported() -> bool", &linear_bf16_supported);
 }
 
-TORCH_LIBRARY_IMPL(longctx, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
+TORCH_LIBRARY_IMPL(longctx, CPU, m) {
+  m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_int8", &linear_int8);
+}

@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.model.linear import PackedLinear
 from engine.model.linear_bf16 import WidenedLinear, widened_matmul
-from engine.model.quant import DEQUANTIZE_ROWS, QuantLinear, dequantized_matmul
+from engine.model.quant import DEQUANTIZE_ROWS, QuantLinear, dequantized_matmul, int8_matmul
 
 # (kind, weight, bias, scales, int4 group size); kind one of linear, packed, widened, int8, int4.
 LinearSpec = tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]
@@ -50,7 +50,7 @@ def apply_linear(x: torch.Tensor, spec: LinearSpec) -> torch.Tensor:
     elif x.shape[0] >= DEQUANTIZE_ROWS:
         y = dequantized_matmul(x, w, scales)
     else:
-        y = torch.ops.aten._weight_int8pack_mm(x, w, scales)
+        y = int8_matmul(x, w, scales)
     return y if b is None else y + b
 
 
