@@ -133,10 +133,7 @@ inline void accumulate_block(const T* const* rows, int64_t off, int64_t n, const
 // The same two steps in 16-float vectors for head dims that are multiples of 16: a key's row
 // is converted once and kept in registers for its G dot products.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load16(const c10::BFloat16* p) { return longctx::widen_bf16(p); }
 
 // One query's block of n <= kBlock = 32 scores, in place: the new running max (from `m`) is
 // returned, the scores become exp(score - max), and their sum goes to *sum.
@@ -211,25 +208,6 @@ inline void accumulate_block_avx512(const T* const* rows, int64_t off, int64_t n
 }
 
 #if defined(__AVX512BF16__)
-// bf16 scores by VDPBF16PS: each instruction multiplies 32 bf16 pairs exactly and adds them in
-// float32, so a key row is used as stored (no conversion) against the unscaled bf16 queries;
-// the scale is applied to the sums. GN queries stay in registers over the block.
-// The sums of 16 vectors' elements, in one vector (element j = the sum of d[j]): a tree of
-// unpacks and lane shuffles, ~3 instructions per vector instead of a horizontal add each.
-inline __m512 sum16(__m512* d) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of four vectors, in order
-    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // lanes across vectors: [u0 0+1, u0 2+3, u1 0+1, u1 2+3], then whole sums
-  const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
-}
-
 template <int64_t kD>
 inline __m512 dot_bf16(const c10::BFloat16* kr, const __m512bh* q) {
   constexpr int64_t W = kD / 32;
@@ -257,7 +235,7 @@ inline void score_queries_bf16(const c10::BFloat16* const* rows, int64_t off, in
         d[i] = dot_bf16<kD>(rows[j + i] + off, qv[g]);
         if (g == 0) ahead.fetch(j + i, off, kD);
       }
-      _mm512_storeu_ps(scores + g * kBlock + j, _mm512_mul_ps(sum16(d), sv));
+      _mm512_storeu_ps(scores + g * kBlock + j, _mm512_mul_ps(longctx::sum16(d), sv));
     }
   }
   for (; j < n; ++j)

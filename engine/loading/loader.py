@@ -6,7 +6,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -42,11 +41,8 @@ def cpu_has_fast_bf16() -> bool:
     """bf16 runs faster than float32 on this CPU: AVX512-BF16 or AMX (bf16 matmuls several times
     faster than float32), or AVX-512 and a C++ compiler to build `linear_bf16.cpp` (bf16 weights
     computed in float32: half the bytes per decode step, prefill at float32's speed)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags or (bf16_emulated() and cpu_kernel.compiler() is not None)
+    flags = set(cpu_kernel.cpu_flags().split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"}) or (bf16_emulated() and cpu_kernel.compiler() is not None)
 
 
 def resolve_dtype(name: str, config: ModelConfig, source: ModelPath, device: torch.device) -> torch.dtype:

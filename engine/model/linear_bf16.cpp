@@ -35,26 +35,6 @@ namespace {
 
 #if defined(__AVX512F__)
 
-// The sums of 16 vectors' elements in one vector (element j = the sum of d[j]).
-inline __m512 sum16(const __m512* d) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
-}
-
-// 16 bf16 values widened to float32.
-inline __m512 widen(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // 32 bf16 values widened to float32 in two vectors, one instruction each: the even-numbered
 // values (a 32-bit word's low half shifted up) and the odd-numbered (its high half kept).
 inline void widen_pairs(const c10::BFloat16* p, __m512* even, __m512* odd) {
@@ -77,7 +57,7 @@ inline void widen_rows(const c10::BFloat16* x, int64_t stride, int64_t M, int64_
       _mm512_storeu_ps(dst + k, e);
       _mm512_storeu_ps(dst + k + 16, o);
     }
-    for (; k < K; k += 16) _mm512_storeu_ps(dst + k, widen(src + k));
+    for (; k < K; k += 16) _mm512_storeu_ps(dst + k, longctx::widen_bf16(src + k));
   }
 }
 
@@ -89,7 +69,7 @@ template <>
 struct Weights<c10::BFloat16> {
   static constexpr bool kPairs = true;
   static void load32(const c10::BFloat16* p, __m512* a, __m512* b) { widen_pairs(p, a, b); }
-  static __m512 load16(const c10::BFloat16* p) { return widen(p); }
+  static __m512 load16(const c10::BFloat16* p) { return longctx::widen_bf16(p); }
 };
 template <>
 struct Weights<int8_t> {  // int8 codes, sign-extended and converted
@@ -147,7 +127,7 @@ inline void tile(const float* xf, const W* w, int64_t K, int64_t m0, int64_t n0,
     }
   }
   alignas(64) float s[16];
-  _mm512_store_ps(s, sum16(acc));
+  _mm512_store_ps(s, longctx::sum16(acc));
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) out.store(m0 + i, n0 + j, s[i * NR + j]);
 }

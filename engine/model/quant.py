@@ -240,6 +240,17 @@ def dequantized_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -
     return F.linear(x, q.to(x.dtype) * scales[:, None])
 
 
+def quantized_matmul(x: torch.Tensor, mode: str, q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """x [T, K] @ the quantized weight's transpose -> [T, N] (no bias), as `QuantLinear` and the
+    compiled regions compute it: int4 by its kernel, int8 by `int8_matmul` or, prefill-sized,
+    `dequantized_matmul`."""
+    if mode == "int4":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, group, scales)
+    if x.shape[0] >= DEQUANTIZE_ROWS:
+        return dequantized_matmul(x, q, scales)
+    return int8_matmul(x, q, scales)
+
+
 class QuantLinear(nn.Module):
     """`y = x W^T (+ b)` with W int8 or int4; x [..., K] in `dtype` -> [..., N].
 
@@ -280,13 +291,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if self.mode == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales)
-        elif x2.shape[0] >= DEQUANTIZE_ROWS:
-            y = dequantized_matmul(x2, self.qweight, self.scales)
-        else:
-            y = int8_matmul(x2, self.qweight, self.scales)
+        y = quantized_matmul(x.reshape(-1, shape[-1]), self.mode, self.qweight, self.scales, self.group_size)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)

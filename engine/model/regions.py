@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.model.linear import PackedLinear
 from engine.model.linear_bf16 import WidenedLinear, widened_matmul
-from engine.model.quant import DEQUANTIZE_ROWS, QuantLinear, dequantized_matmul, int8_matmul
+from engine.model.quant import QuantLinear, quantized_matmul
 
 # (kind, weight, bias, scales, int4 group size); kind one of linear, packed, widened, int8, int4.
 LinearSpec = tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]
@@ -45,12 +45,7 @@ def apply_linear(x: torch.Tensor, spec: LinearSpec) -> torch.Tensor:
     if kind == "widened":
         return widened_matmul(x, w, b)
     assert scales is not None
-    if kind == "int4":
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, scales)
-    elif x.shape[0] >= DEQUANTIZE_ROWS:
-        y = dequantized_matmul(x, w, scales)
-    else:
-        y = int8_matmul(x, w, scales)
+    y = quantized_matmul(x, kind, w, scales, group)
     return y if b is None else y + b
 
 
