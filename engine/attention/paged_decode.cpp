@@ -41,12 +41,14 @@ using longctx::exp_nonpositive_ps;
 
 constexpr int64_t kBlock = 32;  // keys scored before their softmax update
 
-// The next block's rows, requested from memory while this block is scored: with each key
-// scored, one key of the next block (this head's K and V lines). Spread over the compute,
-// the requests overlap it; issued in a burst per block (or left to the hardware prefetcher,
-// which page boundaries in a shuffled table defeat) they did not: 8k keys per layer read
-// in ~420 us that way, ~290 us this way. Into L2 (locality 1), one block ahead: measured
-// best of 16-256 keys ahead and locality 0-3.
+// The next block's rows, requested from memory while this block is computed: spread over the
+// compute, the requests overlap it; issued in a burst per block (or left to the hardware
+// prefetcher, which page boundaries in a shuffled table defeat) they did not. With bf16's
+// VDPBF16PS path each of a key's lines (this head's K, then its V) has a slot of its own: one
+// per query's score pass and one in the V pass (`fetch_lines`), non-temporal. On a Zen 5 core
+// that reads 8k keys a layer (30 layers' caches in turn) in ~160 us against ~225 us with all
+// of a key's lines requested in the first score pass, which in turn beat a burst per block
+// (~420 -> ~290 us on Zen 4); one block ahead measured best of 1-4 blocks.
 template <typename T>
 struct Ahead {
   const T* const* rows = nullptr;
@@ -63,6 +65,23 @@ struct Ahead {
       __builtin_prefetch(v + byte, 0, 1);
     }
   }
+  // Key j's lines [first, last) of this head's K row (at `off`) followed by its V row.
+  // Non-temporal: the block reads them once, soon.
+  template <int64_t kD>
+  __attribute__((always_inline)) inline void fetch_lines(int64_t j, int64_t off, int64_t first, int64_t last) const {
+    constexpr int64_t kLines = lines<kD>();
+    if (j >= n) return;
+    for (int64_t line = first; line < last; ++line) {
+      const T* row = rows[j] + off + (line < kLines ? 0 : half);
+      __builtin_prefetch(reinterpret_cast<const char*>(row) + 64 * (line % kLines), 0, 0);
+    }
+  }
+  // Lines of a K (or V) row of kD elements.
+  template <int64_t kD>
+  static constexpr int64_t lines() { return (kD * static_cast<int64_t>(sizeof(T)) + 63) / 64; }
+  // The first line of slot `slot` of `slots` (slot `slots` ends after the last line).
+  template <int64_t kD>
+  static constexpr int64_t slot_start(int64_t slot, int64_t slots) { return (slot * 2 * lines<kD>() + slots - 1) / slots; }
 };
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -218,7 +237,8 @@ inline __m512 dot_bf16(const c10::BFloat16* kr, const __m512bh* q) {
 
 // bf16 scores by VDPBF16PS: each instruction multiplies 32 bf16 pairs exactly and adds them in
 // float32, so a key row is used as stored (no conversion) against the unscaled bf16 queries;
-// the scale is applied to the sums. GN queries stay in registers over the block.
+// the scale is applied to the sums. GN queries stay in registers over the block. Each query's
+// pass requests its slot of the next block's lines; the V pass requests the last slot.
 template <int64_t kD, int64_t GN>
 inline void score_queries_bf16(const c10::BFloat16* const* rows, int64_t off, int64_t n, const c10::BFloat16* q,
                                float scale, float* scores, const Ahead<c10::BFloat16>& ahead) {
@@ -227,13 +247,14 @@ inline void score_queries_bf16(const c10::BFloat16* const* rows, int64_t off, in
   for (int64_t g = 0; g < GN; ++g)
     for (int64_t w = 0; w < W; ++w) qv[g][w] = (__m512bh)_mm512_loadu_si512(q + g * kD + 32 * w);
   const __m512 sv = _mm512_set1_ps(scale);
+  using A = Ahead<c10::BFloat16>;
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {  // 16 keys at a time, their sums reduced together
     for (int64_t g = 0; g < GN; ++g) {
       __m512 d[16];
       for (int64_t i = 0; i < 16; ++i) {
         d[i] = dot_bf16<kD>(rows[j + i] + off, qv[g]);
-        if (g == 0) ahead.fetch(j + i, off, kD);
+        ahead.template fetch_lines<kD>(j + i, off, A::slot_start<kD>(g, GN + 1), A::slot_start<kD>(g + 1, GN + 1));
       }
       _mm512_storeu_ps(scores + g * kBlock + j, _mm512_mul_ps(longctx::sum16(d), sv));
     }
@@ -265,7 +286,7 @@ inline void score_block_bf16(const c10::BFloat16* const* rows, int64_t off, int6
 // cpu_vec.h) and are permuted back to `acc` after it. Weights past n must be zero.
 template <int64_t kD, int64_t GN>
 inline void accumulate_queries_bf16(const c10::BFloat16* const* rows, int64_t off, int64_t n, const float* scores,
-                                    float* acc) {
+                                    float* acc, const Ahead<c10::BFloat16>& ahead, int64_t first, int64_t last) {
   constexpr int64_t W = kD / 32;
   __m512 lo[GN][W], hi[GN][W];
   alignas(64) uint32_t pairs[GN][kBlock / 2];
@@ -281,6 +302,8 @@ inline void accumulate_queries_bf16(const c10::BFloat16* const* rows, int64_t of
   for (int64_t j = 0; j < n; j += 2) {
     const c10::BFloat16* r0 = rows[j] + off;
     const c10::BFloat16* r1 = (j + 1 < n ? rows[j + 1] : rows[j]) + off;  // weight 0 past n
+    ahead.fetch_lines<kD>(j, off - ahead.half, first, last);
+    ahead.fetch_lines<kD>(j + 1, off - ahead.half, first, last);
     for (int64_t w = 0; w < W; ++w) {
       const __m512i x = _mm512_loadu_si512(r0 + 32 * w), y = _mm512_loadu_si512(r1 + 32 * w);
       const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(x, y), vh = (__m512bh)_mm512_unpackhi_epi16(x, y);
@@ -302,16 +325,20 @@ inline void accumulate_queries_bf16(const c10::BFloat16* const* rows, int64_t of
 
 template <int64_t kD>
 inline void accumulate_block_bf16(const c10::BFloat16* const* rows, int64_t off, int64_t n, const float* scores,
-                                  int64_t G, float* acc) {
+                                  int64_t G, float* acc, const Ahead<c10::BFloat16>& ahead) {
   constexpr int64_t GB = kD <= 64 ? 4 : 2;  // queries per pass: 16 accumulators
+  // The last slot of the next block's lines: after the first score pass's min(G, 4) query slots.
+  using A = Ahead<c10::BFloat16>;
+  const int64_t slots = std::min<int64_t>(G, 4) + 1;
+  const int64_t first = A::slot_start<kD>(slots - 1, slots), last = A::slot_start<kD>(slots, slots);
   for (int64_t g0 = 0; g0 < G; g0 += GB) {
     const float* sg = scores + g0 * kBlock;
     float* ag = acc + g0 * kD;
     switch (std::min(GB, G - g0)) {
-      case 1: accumulate_queries_bf16<kD, 1>(rows, off, n, sg, ag); break;
-      case 2: accumulate_queries_bf16<kD, 2>(rows, off, n, sg, ag); break;
-      case 3: accumulate_queries_bf16<kD, 3>(rows, off, n, sg, ag); break;
-      default: accumulate_queries_bf16<kD, GB>(rows, off, n, sg, ag); break;
+      case 1: accumulate_queries_bf16<kD, 1>(rows, off, n, sg, ag, ahead, g0 ? 0 : first, g0 ? 0 : last); break;
+      case 2: accumulate_queries_bf16<kD, 2>(rows, off, n, sg, ag, ahead, g0 ? 0 : first, g0 ? 0 : last); break;
+      case 3: accumulate_queries_bf16<kD, 3>(rows, off, n, sg, ag, ahead, g0 ? 0 : first, g0 ? 0 : last); break;
+      default: accumulate_queries_bf16<kD, GB>(rows, off, n, sg, ag, ahead, g0 ? 0 : first, g0 ? 0 : last); break;
     }
   }
 }
@@ -321,7 +348,8 @@ template <int64_t kD>
 inline void score_block_bf16(const c10::BFloat16* const*, int64_t, int64_t, const c10::BFloat16*, int64_t, float,
                              float*, const Ahead<c10::BFloat16>&) {}
 template <int64_t kD>
-inline void accumulate_block_bf16(const c10::BFloat16* const*, int64_t, int64_t, const float*, int64_t, float*) {}
+inline void accumulate_block_bf16(const c10::BFloat16* const*, int64_t, int64_t, const float*, int64_t, float*,
+                                  const Ahead<c10::BFloat16>&) {}
 constexpr bool kBF16Dot = false;
 #endif
 constexpr bool kVector = true;
@@ -334,7 +362,8 @@ template <int64_t kD>
 inline void score_block_bf16(const c10::BFloat16* const*, int64_t, int64_t, const c10::BFloat16*, int64_t, float,
                              float*, const Ahead<c10::BFloat16>&) {}
 template <int64_t kD>
-inline void accumulate_block_bf16(const c10::BFloat16* const*, int64_t, int64_t, const float*, int64_t, float*) {}
+inline void accumulate_block_bf16(const c10::BFloat16* const*, int64_t, int64_t, const float*, int64_t, float*,
+                                  const Ahead<c10::BFloat16>&) {}
 inline float softmax_block_avx512(float*, int64_t, float m, float*) { return m; }
 constexpr bool kVector = false;
 constexpr bool kBF16Dot = false;
@@ -424,7 +453,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
             for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
           }
           if constexpr (kBF16Dot && std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0) {  // the values
-            accumulate_block_bf16<kD>(rows, half + h * D, n, scores.data(), G, &acc[h * G * D]);
+            accumulate_block_bf16<kD>(rows, half + h * D, n, scores.data(), G, &acc[h * G * D], ahead);
           } else if constexpr (kVector && kD > 0 && kD % 16 == 0) {  // each page's V half
             accumulate_block_avx512<T, kD>(rows, half + h * D, n, scores.data(), G, &acc[h * G * D]);
           } else {
