@@ -64,6 +64,17 @@ def test_free_list_is_lru_and_revivable() -> None:
         pool.allocate(1)
 
 
+def test_allocation_is_ascending_after_churn() -> None:
+    """The least recently freed pages, handed out in ascending order (however they were freed)."""
+    pool = BlockPool(8)
+    a = pool.allocate(8)
+    assert a == list(range(8))
+    pool.free([a[5], a[1], a[6]])  # freed in reverse: 6, 1, 5
+    pool.free([a[3]])
+    assert pool.allocate(3) == [1, 5, 6]
+    assert pool.allocate(1) == [3]
+
+
 def test_double_free_is_caught() -> None:
     pool = BlockPool(2)
     pages = pool.allocate(1)
