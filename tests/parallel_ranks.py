@@ -78,6 +78,8 @@ def run_logits(model_dir: Path, out: Path, modes: list[str]) -> None:
         kind, _, quant = mode.partition("-")
         ctx = ParallelContext(base.rank, base.world_size, kind == "ep", base.group)
         torch.save(run_mode(ctx, model_dir, QuantConfig(quant or "none")), out / f"rank{ctx.rank}-{mode}.pt")
+    watchdog.stop()
+    torch.distributed.barrier()  # no rank leaves (rank 0 holds the store) before all are done
     finish_parallel(watchdog)
 
 

@@ -90,8 +90,12 @@ class Watchdog:
         time.sleep(self.dead_after_s + 4 * self.interval_s)
 
     def stop(self) -> None:
-        """Expected shutdown: ranks that exit from now on are not failures."""
+        """Expected shutdown: ranks that exit from now on are not failures. Waits for the
+        heartbeat thread to leave its loop, so that no store call of it is in flight when the
+        process group (and then the process, whose exit would destroy the store under it) goes."""
         self.stopping.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     def _loop(self) -> None:
         beat = 0
@@ -101,6 +105,8 @@ class Watchdog:
             try:
                 self.store.set(f"longctx/hb/{self.rank}", str(beat))
             except Exception as e:  # the store lives in rank 0
+                if self.stopping.is_set():  # rank 0 may leave first in an orderly shutdown
+                    return
                 self._fail(0, f"unreachable ({type(e).__name__}: {e})")
             for r, child in self.children.items():
                 code = child.poll()
@@ -115,7 +121,7 @@ class Watchdog:
                         seen[r] = (value, now)
                     elif now - seen[r][1] > self.dead_after_s and not self.stopping.is_set():
                         self._fail(r, f"no heartbeat for {now - seen[r][1]:.0f}s")
-            time.sleep(self.interval_s)
+            self.stopping.wait(self.interval_s)
 
     def _fail(self, rank: int, why: str) -> None:
         msg = f"rank {rank} failed: {why}; stopping rank {self.rank}"
