@@ -394,6 +394,18 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
 
   int64_t total_len = 0;
   for (int64_t b = 0; b < B; ++b) total_len += lp[b];
+  // The rows of a task's first block (sequence b, chunk c) -> how many: requested during the
+  // last block of the task before it on the same thread (at 2k keys a layer, 8 tasks of 256
+  // keys, ~10% faster than leaving each task's first block to demand misses).
+  auto first_rows = [&](int64_t task, const T** out) -> int64_t {
+    const int64_t c = task % C, b = task / C;
+    const int64_t t0 = c * chunk, count = std::max<int64_t>(0, std::min({kBlock, lp[b] - t0, chunk}));
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t pos = sp[b] + t0 + j;
+      out[j] = cp + static_cast<int64_t>(pp[b * N + pos / S]) * 2 * half + (pos % S) * row;
+    }
+    return count;
+  };
   maybe_parallel(B * C, total_len * H * D, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), kf(D), scores(G * kBlock);
     const T* rows[kBlock];
@@ -421,8 +433,9 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
       int64_t n = std::min(kBlock, t1 - t0);
       next_rows(rows, n);
       for (int64_t k0 = t0; k0 < t1; k0 += kBlock) {
-        const int64_t n_ahead = std::max<int64_t>(0, std::min(kBlock, t1 - k0 - kBlock));
+        int64_t n_ahead = std::max<int64_t>(0, std::min(kBlock, t1 - k0 - kBlock));
         next_rows(ahead_rows, n_ahead);
+        if (n_ahead == 0 && task + 1 < end) n_ahead = first_rows(task + 1, ahead_rows);  // this thread's next task
         const Ahead<T> ahead{ahead_rows, n_ahead, half};
         for (int64_t h = 0; h < KVH; ++h) {
           if constexpr (kBF16Dot && std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0) {
