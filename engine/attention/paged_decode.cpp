@@ -227,6 +227,10 @@ inline void accumulate_block_avx512(const T* const* rows, int64_t off, int64_t n
 }
 
 #if defined(__AVX512BF16__)
+// Queries per bf16 score pass (`score_block_bf16`); the first pass's queries and the V pass
+// share the next block's lines between them (`accumulate_block_bf16`).
+constexpr int64_t kScoreQueries = 4;
+
 template <int64_t kD>
 inline __m512 dot_bf16(const c10::BFloat16* kr, const __m512bh* q) {
   constexpr int64_t W = kD / 32;
@@ -254,7 +258,7 @@ inline void score_queries_bf16(const c10::BFloat16* const* rows, int64_t off, in
       __m512 d[16];
       for (int64_t i = 0; i < 16; ++i) {
         d[i] = dot_bf16<kD>(rows[j + i] + off, qv[g]);
-        ahead.template fetch_lines<kD>(j + i, off, A::slot_start<kD>(g, GN + 1), A::slot_start<kD>(g + 1, GN + 1));
+        ahead.fetch_lines<kD>(j + i, off, A::slot_start<kD>(g, GN + 1), A::slot_start<kD>(g + 1, GN + 1));
       }
       _mm512_storeu_ps(scores + g * kBlock + j, _mm512_mul_ps(longctx::sum16(d), sv));
     }
@@ -267,7 +271,7 @@ inline void score_queries_bf16(const c10::BFloat16* const* rows, int64_t off, in
 template <int64_t kD>
 inline void score_block_bf16(const c10::BFloat16* const* rows, int64_t off, int64_t n, const c10::BFloat16* q,
                              int64_t G, float scale, float* scores, const Ahead<c10::BFloat16>& ahead) {
-  constexpr int64_t GB = 4;
+  constexpr int64_t GB = kScoreQueries;
   for (int64_t g0 = 0; g0 < G; g0 += GB) {
     const c10::BFloat16* qg = q + g0 * kD;
     float* sg = scores + g0 * kBlock;
@@ -327,9 +331,9 @@ template <int64_t kD>
 inline void accumulate_block_bf16(const c10::BFloat16* const* rows, int64_t off, int64_t n, const float* scores,
                                   int64_t G, float* acc, const Ahead<c10::BFloat16>& ahead) {
   constexpr int64_t GB = kD <= 64 ? 4 : 2;  // queries per pass: 16 accumulators
-  // The last slot of the next block's lines: after the first score pass's min(G, 4) query slots.
+  // The last slot of the next block's lines: after the first score pass's query slots.
   using A = Ahead<c10::BFloat16>;
-  const int64_t slots = std::min<int64_t>(G, 4) + 1;
+  const int64_t slots = std::min(G, kScoreQueries) + 1;
   const int64_t first = A::slot_start<kD>(slots - 1, slots), last = A::slot_start<kD>(slots, slots);
   for (int64_t g0 = 0; g0 < G; g0 += GB) {
     const float* sg = scores + g0 * kBlock;
@@ -394,9 +398,10 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
 
   int64_t total_len = 0;
   for (int64_t b = 0; b < B; ++b) total_len += lp[b];
-  // The rows of a task's first block (sequence b, chunk c) -> how many: requested during the
-  // last block of the task before it on the same thread (at 2k keys a layer, 8 tasks of 256
-  // keys, ~10% faster than leaving each task's first block to demand misses).
+  // The rows of a task's first block (sequence b, chunk c) -> how many: the task starts with
+  // them, and they are requested during the last block of the task before it on the same
+  // thread (at 2k keys a layer, 8 tasks of 256 keys, ~10% faster than leaving each task's
+  // first block to demand misses).
   auto first_rows = [&](int64_t task, const T** out) -> int64_t {
     const int64_t c = task % C, b = task / C;
     const int64_t t0 = c * chunk, count = std::max<int64_t>(0, std::min({kBlock, lp[b] - t0, chunk}));
@@ -422,7 +427,8 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
       for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qp[b * q_stride + i]) * fscale;
       const int32_t* table = pp + b * N;
       const int64_t start = sp[b];
-      int64_t page = (start + t0) / S, offset = (start + t0) % S;  // of the next key
+      int64_t n = first_rows(task, rows);
+      int64_t page = (start + t0 + n) / S, offset = (start + t0 + n) % S;  // of the next key
       auto next_rows = [&](const T** out, int64_t count) {
         for (int64_t j = 0; j < count; ++j) {
           out[j] = cp + static_cast<int64_t>(table[page]) * 2 * half + offset * row;
@@ -430,8 +436,6 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& pages, 
         }
       };
       const T* ahead_rows[kBlock];
-      int64_t n = std::min(kBlock, t1 - t0);
-      next_rows(rows, n);
       for (int64_t k0 = t0; k0 < t1; k0 += kBlock) {
         int64_t n_ahead = std::max<int64_t>(0, std::min(kBlock, t1 - k0 - kBlock));
         next_rows(ahead_rows, n_ahead);
