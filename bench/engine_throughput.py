@@ -13,7 +13,10 @@ and is skipped with a note when llama-cpp-python is not installed (`make bench-p
 Ours runs as served: the compiled step (`--compile`, the default where a C++ compiler is
 present; its graphs compiled before timing, cached under `$LONGCTX_HOME/compile`) or eager
 (`--no-compile`). Single-stream decode is also timed after 256, 4k and 8k-token prompts
-(ours). Prints a table, ratios and each target's verdict, and writes JSON to bench/results/.
+(ours), with what the step reads after 8k against after 256 tokens (bytes: weights plus every
+layer's K/V) and the rate its extra K/V came in at, beside the machine's plain read rate: a
+step bound by memory takes as long as its bytes need. Prints a table, ratios and each target's
+verdict, and writes JSON to bench/results/.
 
     python bench/engine_throughput.py [--quick] [--systems ours,transformers,llama.cpp]
         [--dtypes float32,bfloat16,int8,int4] [--profile] [--no-compile]
@@ -58,6 +61,21 @@ def copy_bandwidth_gbs() -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
     return 2 * src.numel() / sorted(times)[2] / 1e9
+
+
+def read_bandwidth_gbs() -> float:
+    """Bytes read per second by a vectorized reduction over 1 GiB (median of 5): what a step
+    bound by memory reads its weights and K/V at, at best."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    src = torch.empty(1 << 30, dtype=torch.uint8).fill_(1)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        src.max()
+        times.append(time.perf_counter() - t0)
+    return src.numel() / sorted(times)[2] / 1e9
 
 
 def _prompt(tok: Any, n: int) -> list[int]:
@@ -131,12 +149,19 @@ def run_ours(dtype: str, quick: bool, profile: bool = False) -> dict[str, Any]:
     # the median per length kept: the context ratios compare neighbouring runs, not runs
     # minutes apart on a machine whose speed drifts.
     singles = {"decode_1": 24, **CONTEXTS} if not quick else {"decode_1": 24, "decode_1_2k": 2048}
-    runs = _decode_rounds(engine, [[_prompt(tok, n)] for n in singles.values()], params, SINGLE_STREAM_REPEATS)
+    # The matmul floor is timed in the same rounds (after each), so that step / floor compares
+    # neighbouring measurements too.
+    floors: list[float] = []
+    runs = _decode_rounds(
+        engine, [[_prompt(tok, n)] for n in singles.values()], params, SINGLE_STREAM_REPEATS,
+        after_round=lambda: floors.append(_matmul_floor_ms(loaded.model)),
+    )  # fmt: skip
     for (key, _), (rate, step_ms) in zip(singles.items(), runs, strict=True):
         out[key], out[key.replace("decode", "step_ms")] = rate, step_ms
-    out["floor_ms"] = _matmul_floor_ms(loaded.model)
+    out["floor_ms"] = sorted(floors)[len(floors) // 2]
     out["weight_bytes"] = _weight_bytes_per_step(loaded.model)
     out["kv_bytes_per_token"] = engine.kv_spec.bytes_per_token
+    out["decode_tokens"] = decode_tokens
     if profile:
         out["profile"] = _profile_step(engine, tok)
     out["peak_rss_mb"] = _rss_mb()
@@ -144,11 +169,11 @@ def run_ours(dtype: str, quick: bool, profile: bool = False) -> dict[str, Any]:
 
 
 def _decode_rounds(
-    engine: Any, batches: list[list[list[int]]], params: Any, repeats: int = 1
+    engine: Any, batches: list[list[list[int]]], params: Any, repeats: int = 1, after_round: Any = None
 ) -> list[tuple[float, float]]:
     """Per batch of prompts, decode `params.max_tokens` tokens for all of them at once; `repeats`
-    rounds over the batches in turn. Per batch the median run's (tokens/s, ms per step).
-    Prompts are computed before timing starts."""
+    rounds over the batches in turn (`after_round` called after each). Per batch the median
+    run's (tokens/s, ms per step). Prompts are computed before timing starts."""
     runs: list[list[tuple[float, float]]] = [[] for _ in batches]
     for _ in range(repeats):
         for i, prompts in enumerate(batches):
@@ -162,6 +187,8 @@ def _decode_rounds(
             runs[i].append(
                 ((engine.stats.generated_tokens - gen0) / dt, 1000 * dt / max(1, engine.stats.steps - steps0))
             )
+        if after_round is not None:
+            after_round()
     return [sorted(r)[len(r) // 2] for r in runs]
 
 
@@ -197,7 +224,7 @@ def _matmul_floor_ms(model: Any, reps: int = 20) -> float:
 
     dtype = model.model.norm.weight.dtype
     linears = _step_linears(model)
-    xs = {}
+    xs: dict[int, Any] = {}
     for lin in linears:
         k = lin.in_features if hasattr(lin, "in_features") else model.config.hidden_size
         xs.setdefault(k, torch.randn(1, k, dtype=dtype))
@@ -247,7 +274,12 @@ def _label_graphs(engine: Any) -> Any:
                 return entry(handles)
 
         call.entry = labelled
-    return lambda: [setattr(c, "entry", e) for c, e in originals]
+
+    def restore() -> None:
+        for c, e in originals:
+            c.entry = e
+
+    return restore
 
 
 def _profile_step(engine: Any, tok: Any, steps: int = 8) -> dict[str, float]:
@@ -418,6 +450,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth_gbs()
     results: dict[str, Any] = {"bandwidth_gbs": bandwidth, "threads": THREADS, "compile": COMPILE, "runs": {}}
+    results["read_bandwidth_gbs"] = read_bandwidth_gbs()
     results["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
     for system in args.systems.split(","):
         dtypes = ["q4_1"] if system == "llama.cpp" else args.dtypes.split(",")
@@ -447,7 +480,8 @@ def print_table(results: dict[str, Any]) -> None:
     runs = results["runs"]
     cols = ["prefill_512", "prefill_2048", "decode_1", "decode_1_2k", "decode_4", "decode_16", "decode_32"]
     cols += ["decode_1_4k", "decode_1_8k", "step_ms_1", "floor_ms", "peak_rss_mb"]
-    print(f"copy bandwidth {bw:.1f} GB/s, {results['threads']} threads; tokens/s unless noted")
+    read = results.get("read_bandwidth_gbs", float("nan"))
+    print(f"copy bandwidth {bw:.1f} GB/s, read {read:.1f} GB/s, {results['threads']} threads; tokens/s unless noted")
     print(f"{'system':24}" + "".join(f"{c:>13}" for c in cols) + f"{'step/floor':>11}{'ceiling%':>12}")
     for key, r in runs.items():
         if "error" in r:
@@ -489,6 +523,7 @@ def print_table(results: dict[str, Any]) -> None:
             ratios[f"{dt} decode after 4k / after 24 tokens"] = o["decode_1_4k"] / o["decode_1"]
         if "step_ms_1_8k" in o and "step_ms_1_256" in o:
             ratios[f"{dt} step after 8k / after 256 tokens"] = o["step_ms_1_8k"] / o["step_ms_1_256"]
+            memory_bound_8k(dt, o)
         if "floor_ms" in o:
             ratios[f"{dt} step / matmul floor"] = o["step_ms_1"] / o["floor_ms"]
     for k, v in ratios.items():
@@ -498,6 +533,25 @@ def print_table(results: dict[str, Any]) -> None:
     for name, (value, target, met) in results["targets"].items():
         print(f"  target {name}: {value:.2f} vs {target} -> {'met' if met else 'MISSED'}")
     (RESULTS / "engine_throughput.json").write_text(json.dumps(results, indent=2))
+
+
+def memory_bound_8k(dtype: str, r: dict[str, Any]) -> None:
+    """What a step reads after 8k against after 256 tokens (weights once, K/V of every layer at
+    the run's mean context), and the rate the extra K/V came in at: the 8k step's extra time
+    against its extra bytes. A step bound by memory alone takes as long as its bytes need."""
+    if "weight_bytes" not in r or "decode_tokens" not in r:
+        return
+    mean = r["decode_tokens"] / 2
+    read = {n: r["weight_bytes"] + r["kv_bytes_per_token"] * (n + mean) for n in (256, CONTEXTS["decode_1_8k"])}
+    extra_s = (r["step_ms_1_8k"] - r["step_ms_1_256"]) / 1000
+    extra = read[CONTEXTS["decode_1_8k"]] - read[256]
+    r["bytes_8k_over_256"] = read[CONTEXTS["decode_1_8k"]] / read[256]
+    r["extra_kv_gbs_8k"] = extra / extra_s / 1e9 if extra_s > 0 else float("inf")
+    print(
+        f"  {dtype} bytes read per step after 8k / after 256 tokens: {r['bytes_8k_over_256']:.2f}x "
+        f"({read[CONTEXTS['decode_1_8k']] / 1e6:.0f} / {read[256] / 1e6:.0f} MB); the extra "
+        f"{extra / 1e6:.0f} MB of K/V came in at {r['extra_kv_gbs_8k']:.1f} GB/s"
+    )
 
 
 # The issue's targets: (ratio key, at least / at most, bound).
