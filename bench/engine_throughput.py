@@ -55,12 +55,7 @@ def copy_bandwidth_gbs() -> float:
 
     src = torch.empty(1 << 30, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return 2 * src.numel() / sorted(times)[2] / 1e9
+    return 2 * src.numel() / _median_s(lambda: dst.copy_(src)) / 1e9
 
 
 def read_bandwidth_gbs() -> float:
@@ -70,12 +65,17 @@ def read_bandwidth_gbs() -> float:
 
     torch.set_num_threads(THREADS)
     src = torch.empty(1 << 30, dtype=torch.uint8).fill_(1)
+    return src.numel() / _median_s(src.max) / 1e9
+
+
+def _median_s(fn: Any, reps: int = 5) -> float:
+    """Seconds `fn()` takes, the median of `reps` calls."""
     times = []
-    for _ in range(5):
+    for _ in range(reps):
         t0 = time.perf_counter()
-        src.max()
+        fn()
         times.append(time.perf_counter() - t0)
-    return src.numel() / sorted(times)[2] / 1e9
+    return sorted(times)[reps // 2]
 
 
 def _prompt(tok: Any, n: int) -> list[int]:
@@ -542,15 +542,16 @@ def memory_bound_8k(dtype: str, r: dict[str, Any]) -> None:
     if "weight_bytes" not in r or "decode_tokens" not in r:
         return
     mean = r["decode_tokens"] / 2
-    read = {n: r["weight_bytes"] + r["kv_bytes_per_token"] * (n + mean) for n in (256, CONTEXTS["decode_1_8k"])}
+    long, short = (
+        r["weight_bytes"] + r["kv_bytes_per_token"] * (CONTEXTS[k] + mean) for k in ("decode_1_8k", "decode_1_256")
+    )
     extra_s = (r["step_ms_1_8k"] - r["step_ms_1_256"]) / 1000
-    extra = read[CONTEXTS["decode_1_8k"]] - read[256]
-    r["bytes_8k_over_256"] = read[CONTEXTS["decode_1_8k"]] / read[256]
-    r["extra_kv_gbs_8k"] = extra / extra_s / 1e9 if extra_s > 0 else float("inf")
+    r["bytes_8k_over_256"] = long / short
+    r["extra_kv_gbs_8k"] = (long - short) / extra_s / 1e9 if extra_s > 0 else float("inf")
     print(
         f"  {dtype} bytes read per step after 8k / after 256 tokens: {r['bytes_8k_over_256']:.2f}x "
-        f"({read[CONTEXTS['decode_1_8k']] / 1e6:.0f} / {read[256] / 1e6:.0f} MB); the extra "
-        f"{extra / 1e6:.0f} MB of K/V came in at {r['extra_kv_gbs_8k']:.1f} GB/s"
+        f"({long / 1e6:.0f} / {short / 1e6:.0f} MB); the extra "
+        f"{(long - short) / 1e6:.0f} MB of K/V came in at {r['extra_kv_gbs_8k']:.1f} GB/s"
     )
 
 

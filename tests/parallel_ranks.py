@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.distributed.launch import finish_parallel, init_parallel
+from engine.distributed.launch import init_parallel, leave_together
 from engine.distributed.parallel import ParallelContext
 from engine.distributed_runner import DistributedRunner, serve_worker
 from engine.engine import Engine, EngineConfig
@@ -78,9 +78,7 @@ def run_logits(model_dir: Path, out: Path, modes: list[str]) -> None:
         kind, _, quant = mode.partition("-")
         ctx = ParallelContext(base.rank, base.world_size, kind == "ep", base.group)
         torch.save(run_mode(ctx, model_dir, QuantConfig(quant or "none")), out / f"rank{ctx.rank}-{mode}.pt")
-    watchdog.stop()
-    torch.distributed.barrier()  # no rank leaves (rank 0 holds the store) before all are done
-    finish_parallel(watchdog)
+    leave_together(watchdog)
 
 
 def run_mode(ctx: ParallelContext, model_dir: Path, quant: QuantConfig = NONE) -> dict[str, object]:

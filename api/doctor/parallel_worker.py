@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.distributed.launch import finish_parallel, init_parallel
+from engine.distributed.launch import init_parallel, leave_together
 from engine.loading.loader import load
 from engine.model_runner import Chunk
 
@@ -51,9 +51,7 @@ def main(argv: list[str]) -> None:
     result = {"logits": logits, "bytes_read": loaded.stats.bytes_read, "step_s": times,
               "comm_bytes": ctx.comm.total}  # fmt: skip
     torch.save(result, args.out / f"rank{ctx.rank}.pt")
-    watchdog.stop()
-    torch.distributed.barrier()  # no rank leaves (rank 0 holds the store) before all are done
-    finish_parallel(watchdog)
+    leave_together(watchdog)
 
 
 if __name__ == "__main__":

@@ -338,11 +338,12 @@ inline void accumulate_block_bf16(const c10::BFloat16* const* rows, int64_t off,
   for (int64_t g0 = 0; g0 < G; g0 += GB) {
     const float* sg = scores + g0 * kBlock;
     float* ag = acc + g0 * kD;
+    const int64_t f = g0 ? 0 : first, l = g0 ? 0 : last;  // the first pass only: once per key
     switch (std::min(GB, G - g0)) {
-      case 1: accumulate_queries_bf16<kD, 1>(rows, off, n, sg, ag, ahead, g0 ? 0 : first, g0 ? 0 : last); break;
-      case 2: accumulate_queries_bf16<kD, 2>(rows, off, n, sg, ag, ahead, g0 ? 0 : first, g0 ? 0 : last); break;
-      case 3: accumulate_queries_bf16<kD, 3>(rows, off, n, sg, ag, ahead, g0 ? 0 : first, g0 ? 0 : last); break;
-      default: accumulate_queries_bf16<kD, GB>(rows, off, n, sg, ag, ahead, g0 ? 0 : first, g0 ? 0 : last); break;
+      case 1: accumulate_queries_bf16<kD, 1>(rows, off, n, sg, ag, ahead, f, l); break;
+      case 2: accumulate_queries_bf16<kD, 2>(rows, off, n, sg, ag, ahead, f, l); break;
+      case 3: accumulate_queries_bf16<kD, 3>(rows, off, n, sg, ag, ahead, f, l); break;
+      default: accumulate_queries_bf16<kD, GB>(rows, off, n, sg, ag, ahead, f, l); break;
     }
   }
 }

@@ -168,6 +168,17 @@ def init_parallel(
     return ParallelContext(rank, world, expert_parallel, group=dist.group.WORLD), watchdog
 
 
+def leave_together(watchdog: Watchdog) -> None:
+    """For ranks that each run to their own end (no driver telling them to stop): stop the
+    watchdog, meet every other rank at a barrier (rank 0 holds the store: none leaves before all
+    are done), then `finish_parallel`."""
+    import torch.distributed as dist
+
+    watchdog.stop()
+    dist.barrier()
+    finish_parallel(watchdog)
+
+
 def finish_parallel(watchdog: Watchdog, timeout_s: float = 30.0) -> None:
     """Wait for spawned ranks to exit after an orderly shutdown, then leave the group."""
     import torch.distributed as dist
