@@ -25,31 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.attention.torch_paged import TorchPagedBackend
 from engine.loading.loader import LoadedModel, load
 from engine.loading.model_source import pull_demo
-from engine.model.linear import PackedLinear
-from engine.model.linear_bf16 import WidenedLinear
+from engine.model.head import FloatHead
 from engine.model.model import CausalLM
 from engine.model_runner import Chunk, ModelRunner
+from engine.verify import agreement
+from engine.verify.agreement import TEXT, TOKENS
 from kvstore.block_pool import BlockPool
 from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
-
-TEXT = (
-    "The history of the bicycle begins in the early nineteenth century, when inventors in Europe "
-    "experimented with two-wheeled machines that riders pushed along with their feet. These early "
-    "designs were heavy and uncomfortable, but they showed that a person could balance on two wheels "
-    "while moving. Over the following decades, engineers added pedals to the front wheel, which made "
-    "the machine faster but also more dangerous, because the front wheel grew larger and larger to "
-    "increase speed. The so-called safety bicycle, introduced in the 1880s, solved this problem with "
-    "two wheels of equal size and a chain that drove the rear wheel. Pneumatic tires followed soon "
-    "after, making the ride smoother and more pleasant. Within a few years, millions of people in "
-    "cities and villages around the world were riding bicycles to work, to school, and for pleasure. "
-    "The bicycle gave ordinary people a new kind of freedom: they could travel farther than they could "
-    "walk, without the cost of keeping a horse. Women in particular found that cycling changed their "
-    "lives, and the bicycle became a symbol of independence. Today, bicycles remain one of the most "
-    "efficient forms of transport ever invented, converting the energy of the rider into motion with "
-    "very little waste, and many cities are building new lanes to encourage people to ride them."
-)
-TOKENS = 256
 
 
 def text_ids(lm: LoadedModel) -> list[int]:
@@ -70,11 +53,10 @@ def teacher_forced_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
 
 def decided(logits: torch.Tensor) -> torch.Tensor:
     """[N, V] bf16-valued logits -> [N] bool: positions whose top-1 beats the runner-up by more
-    than one bf16 step at its magnitude. bf16 cannot order the others: float32 agrees with bf16's
-    top-1 at only ~96% of this text's positions, mostly exact ties of the bf16 logits."""
-    top2 = logits.topk(2, dim=-1).values
-    ulp = torch.exp2(torch.floor(torch.log2(top2[:, 0].abs())) - 7)
-    return (top2[:, 0] - top2[:, 1]) > ulp
+    than one bf16 step at its magnitude (`engine.verify.agreement.decided`). bf16 cannot order the
+    others: float32 agrees with bf16's top-1 at only ~96% of this text's positions, mostly exact
+    ties of the bf16 logits."""
+    return agreement.decided(logits, torch.bfloat16)
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
@@ -82,11 +64,10 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 
 
 def held_bytes(model: CausalLM) -> int:
-    """Bytes of weights held; a bf16 model's tied head is not counted (a prepacked copy, or the
-    embedding's own tensor under another parameter; the comparison is against the checkpoint's
-    bf16 weights)."""
-    tied = isinstance(model.tied_head, (PackedLinear, WidenedLinear))
-    skip = {id(p) for p in model.tied_head.parameters()} if tied else set()
+    """Bytes of weights held; a bf16 model's tied head is not counted (the embedding's own tensor
+    under another parameter; the comparison is against the checkpoint's bf16 weights)."""
+    head = model.tied_head
+    skip = {id(p) for p in head.parameters()} if isinstance(head, FloatHead) else set()
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in skip}
     return sum(t.numel() * t.element_size() for t in tensors.values() if t.dtype != torch.float32 or t.dim() > 1)
 

@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralFo
 from engine.attention import cpu_kernel
 from engine.loading.weights import SafetensorsSource, load_model
 from engine.model import linear
+from engine.model.head import FloatHead
 from engine.model.linear_bf16 import KERNEL_ROWS, WidenedLinear, widened_matmul
 from kvstore.block_pool import BlockPool
 from tests.tiny_models import build_tiny, make_runner, reference_logits, rel_error, run_chunked
@@ -90,8 +91,8 @@ def test_widened_models_close_to_float32(
     t = build_tiny(config_cls, model_cls, tmp_path, **kwargs)
     model, _ = load_model(t.config, SafetensorsSource(t.path), torch.bfloat16, progress=False)
     layers = [m for m in model.modules() if isinstance(m, WidenedLinear)]
-    # q/k/v, o, gate/up, down per dense layer (experts: two per expert); the tied head too
-    assert len(layers) >= 3 * t.config.num_layers and isinstance(model.tied_head or model.lm_head, WidenedLinear)
+    # q/k/v, o, gate/up, down per dense layer (experts: two per expert); the head keeps float32 logits
+    assert len(layers) >= 3 * t.config.num_layers and isinstance(model.tied_head or model.lm_head, FloatHead)
     ids = torch.randint(0, t.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     runner = make_runner(t.config, model)
     out = run_chunked(runner, BlockPool(runner.kv_cache.num_pages), ids, 8)  # decode-sized and prefill chunks

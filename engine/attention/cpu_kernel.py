@@ -60,6 +60,8 @@ _store: Callable[..., None] | None = None
 _prefill: Callable[..., torch.Tensor] | None = None
 _linear_bf16: Callable[..., torch.Tensor] | None = None
 _linear_int8: Callable[..., torch.Tensor] | None = None
+_linear_bf16_f32: Callable[..., torch.Tensor] | None = None
+_linear_int8_f32: Callable[..., torch.Tensor] | None = None
 _prefill_paths: dict[tuple[torch.dtype, int], bool] = {}  # (dtype, head dim) -> the build has a path
 _failed: str | None = None
 
@@ -103,7 +105,7 @@ def _command(cxx: str, out: Path) -> list[str]:
 
 def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
     """`torch.ops.longctx.paged_decode`, built under `build_dir` if needed; None if it cannot be."""
-    global _op, _store, _prefill, _linear_bf16, _linear_int8, _failed
+    global _op, _store, _prefill, _linear_bf16, _linear_int8, _linear_bf16_f32, _linear_int8_f32, _failed
     with _lock:
         if _op is not None or _failed is not None:
             return _op
@@ -139,9 +141,13 @@ def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
             torch.ops.longctx.paged_prefill,
         )
         if torch.ops.longctx.linear_bf16_supported():
-            _linear_bf16, _linear_int8 = torch.ops.longctx.linear_bf16, torch.ops.longctx.linear_int8
+            ops = torch.ops.longctx
+            _linear_bf16, _linear_int8 = ops.linear_bf16, ops.linear_int8
+            _linear_bf16_f32, _linear_int8_f32 = ops.linear_bf16_f32, ops.linear_int8_f32
             torch.library.register_fake("longctx::linear_bf16", _linear_shape)
             torch.library.register_fake("longctx::linear_int8", _linear_shape)
+            torch.library.register_fake("longctx::linear_bf16_f32", _float_shape)
+            torch.library.register_fake("longctx::linear_int8_f32", _float_shape)
         return _op
 
 
@@ -165,6 +171,23 @@ def linear_int8() -> Callable[..., torch.Tensor] | None:
     """`linear_int8(x [M, K] bf16, w [N, K] int8, scales [N])` (x W^T times each row's scale;
     float32 sums, bf16 out; K a multiple of 16) once loaded with an AVX-512 build, else None."""
     return _linear_int8
+
+
+def linear_bf16_f32() -> Callable[..., torch.Tensor] | None:
+    """`linear_bf16_f32(x [M, K] bf16, w [N, K] bf16, widen=False)` -> [M, N] float32 (float32 sums
+    kept, not rounded to bf16: the LM head's logits) once loaded with an AVX-512 build, else None.
+    With AVX512-BF16 it multiplies by VDPBF16PS unless `widen` (the emulated-bf16 CPUs' path)."""
+    return _linear_bf16_f32
+
+
+def linear_int8_f32() -> Callable[..., torch.Tensor] | None:
+    """`linear_int8_f32(x [M, K] bf16, w [N, K] int8, scales [N])` -> [M, N] float32, as
+    `linear_int8` without the output's bf16 rounding, once loaded with an AVX-512 build, else None."""
+    return _linear_int8_f32
+
+
+def _float_shape(x: torch.Tensor, w: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
 
 def _linear_shape(x: torch.Tensor, w: torch.Tensor, _: torch.Tensor | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine.model.head import FloatHead
 from engine.model.linear_bf16 import WidenedLinear, bf16_emulated
 from engine.model.moe import SparseMoE
 from engine.model.quant import NONE, Int4Blocks, QuantConfig, QuantEmbedding, QuantLinear
@@ -108,8 +109,10 @@ def convert_module(
         return hessians(pname, n, k) if hessians is not None and quant.mode == "int4" else None
 
     module = model.get_submodule(name)
-    if isinstance(module, nn.Linear):
-        q = NONE if name.endswith(UNQUANTIZED_SUFFIXES) else head_quant(quant) if name == "lm_head" else quant
+    if isinstance(module, nn.Linear) and name == "lm_head":
+        new = make_head(module.weight.detach(), quant, absmax.get(f"{name}.weight"))
+    elif isinstance(module, nn.Linear):
+        q = NONE if name.endswith(UNQUANTIZED_SUFFIXES) else quant
         new = make_linear(
             module.weight.detach(),
             None if module.bias is None else module.bias.detach(),
@@ -118,6 +121,7 @@ def convert_module(
             blocks,
             hessian(f"{name}.weight", *module.weight.shape) if q.mode == "int4" else None,
         )
+    if isinstance(module, nn.Linear):
         if new is None:
             return False
         parent, _, attr = name.rpartition(".")
@@ -144,14 +148,27 @@ def convert_module(
     return False
 
 
+def make_head(
+    weight: torch.Tensor, quant: QuantConfig, absmax: torch.Tensor | None = None, blocks: Int4Blocks | None = None
+) -> nn.Module | None:
+    """The LM head for weight [V, hidden]: an int8 `QuantLinear` under quantization (`head_quant`),
+    a `FloatHead` for half-precision weights (float32 logits from the weights as they are, never
+    prepacked), or None for float32 weights (plain `F.linear` is float32 already)."""
+    q = head_quant(quant)
+    if q.enabled:
+        return QuantLinear(weight, None, q, weight.dtype, absmax, blocks)
+    return None if weight.dtype == torch.float32 else FloatHead(weight)
+
+
 def convert_tied_head(model: nn.Module, quant: QuantConfig = NONE, blocks: Int4Blocks | None = None) -> bool:
-    """Give a tied model (`model.tied_head`) its LM head as a linear of its own, packed or
-    quantized from the embedding table. Quantized, the embedding is then read back from the
-    head's quantized rows, so the float table is dropped (single process only)."""
+    """Give a tied model (`model.tied_head`) its LM head as a module of its own (`make_head`),
+    from the embedding table. Quantized, the embedding is then read back from the head's
+    quantized rows, so the float table is dropped (single process only); unquantized, the head
+    shares the table's storage."""
     embed = model.model.embed_tokens  # type: ignore[union-attr]
     if model.lm_head is not None:  # type: ignore[union-attr]
         return False
-    head = make_linear(embed.weight.detach(), None, head_quant(quant), blocks=blocks)
+    head = make_head(embed.weight.detach(), quant, blocks=blocks)
     if head is None:
         return False
     model.tied_head = head

@@ -16,7 +16,9 @@
 //
 // Registered as torch.ops.longctx.linear_bf16(x [M, K], w [N, K], b [N] or None) -> [M, N],
 // linear_int8(x [M, K] bf16, w [N, K] int8, scales [N]) -> [M, N] bf16 (K a multiple of 16, x's
-// rows and w contiguous) and linear_bf16_supported() -> bool.
+// rows and w contiguous), their float32-output forms linear_bf16_f32(x, w, widen=False) and
+// linear_int8_f32(x, w, scales) (the LM head: logits in float32 on every CPU with AVX-512),
+// and linear_bf16_supported() -> bool.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,6 +31,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -84,15 +87,20 @@ struct Weights<int8_t> {  // int8 codes, sign-extended and converted
   }
 };
 
-// y[m][n] = x[m] . w[n] (times sc[n] for int8 codes, plus b[n]), rounded to bf16 once.
+// y[m][n] = x[m] . w[n] (times sc[n] for int8 codes, plus b[n]), rounded to bf16 once, or
+// kept in float32 (`yf`: the LM head's logits, whose bf16 rounding would tie near-equal tokens).
 struct Out {
   const float* sc;          // per weight row, or nullptr
   const c10::BFloat16* b;   // per weight row, or nullptr
-  c10::BFloat16* y;         // [M, N]
+  c10::BFloat16* y;         // [M, N], or nullptr when yf is set
   int64_t N;
+  float* yf = nullptr;      // [M, N] float32 output instead of y
   void store(int64_t m, int64_t n, float dot) const {
     const float v = (sc != nullptr ? dot * sc[n] : dot) + (b != nullptr ? static_cast<float>(b[n]) : 0.f);
-    y[m * N + n] = c10::BFloat16(v);
+    if (yf != nullptr)
+      yf[m * N + n] = v;
+    else
+      y[m * N + n] = c10::BFloat16(v);
   }
 };
 
@@ -163,9 +171,81 @@ inline void tail(const float* xf, const W* w, int64_t M, int64_t K, int64_t n0, 
     }
 }
 
+#if defined(__AVX512BF16__)
+// With AVX512-BF16, bf16 weights against bf16 x by VDPBF16PS: one instruction per 32 products
+// of a tile's pair of rows (float32 products, float32 sums), x read as it is, not widened. Same
+// tiles and prefetch as `tile`. The last 16 columns (K % 32 == 16) load masked, zero above.
+template <int MR, int NR, bool kAhead = false>
+inline void tile_dp(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64_t K, int64_t m0, int64_t n0,
+                    const Out& out) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  const c10::BFloat16* xr = x + m0 * xs;
+  const c10::BFloat16* wr = w + n0 * K;
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask = k + 32 <= K ? ~__mmask32(0) : __mmask32(0xFFFF);
+    __m512i wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_epi16(mask, wr + j * K + k);
+    if constexpr (kAhead)
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr + (16 + j) * K + k), _MM_HINT_T1);
+    for (int i = 0; i < MR; ++i) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(mask, xr + i * xs + k);
+      for (int j = 0; j < NR; ++j) acc[i * NR + j] = longctx::dpbf16_ps(acc[i * NR + j], xv, wv[j]);
+    }
+  }
+  alignas(64) float s[16];
+  _mm512_store_ps(s, longctx::sum16(acc));
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out.store(m0 + i, n0 + j, s[i * NR + j]);
+}
+
+inline void block16_dp(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64_t M, int64_t K, int64_t n0,
+                       const Out& out) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    for (int64_t j = 0; j < 16; j += 4)
+      m == 0 ? tile_dp<4, 4, true>(x, xs, w, K, m, n0 + j, out) : tile_dp<4, 4>(x, xs, w, K, m, n0 + j, out);
+  for (; m + 2 <= M; m += 2)
+    for (int64_t j = 0; j < 16; j += 8)
+      m == 0 ? tile_dp<2, 8, true>(x, xs, w, K, m, n0 + j, out) : tile_dp<2, 8>(x, xs, w, K, m, n0 + j, out);
+  for (; m < M; ++m)
+    m == 0 ? tile_dp<1, 16, true>(x, xs, w, K, m, n0, out) : tile_dp<1, 16>(x, xs, w, K, m, n0, out);
+}
+
+// Every row of x against weight rows n0..N-1 (the last N % 16) with 1 x 1 tiles' dot products.
+inline void tail_dp(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64_t M, int64_t K, int64_t n0,
+                    const Out& out) {
+  for (int64_t n = n0; n < out.N; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 mask = k + 32 <= K ? ~__mmask32(0) : __mmask32(0xFFFF);
+        acc = longctx::dpbf16_ps(acc, _mm512_maskz_loadu_epi16(mask, x + m * xs + k),
+                                 _mm512_maskz_loadu_epi16(mask, w + n * K + k));
+      }
+      out.store(m, n, _mm512_reduce_add_ps(acc));
+    }
+}
+#endif
+
+// widen: bf16 weights widened to float32 even where VDPBF16PS is there (the path of CPUs that
+// emulate bf16, forced for tests on CPUs that do not).
 template <typename W>
-void run(const at::Tensor& x, const W* w, int64_t N, const Out& out) {
+void run(const at::Tensor& x, const W* w, int64_t N, const Out& out, bool widen = false) {
   const int64_t M = x.size(0), K = x.size(1);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<W, c10::BFloat16>) {
+    if (!widen) {
+      const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+      const int64_t xs = x.stride(0), blocks = N / 16;
+      longctx::maybe_parallel(blocks, blocks * 16 * K * std::max<int64_t>(M, 4), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) block16_dp(xp, xs, w, M, K, 16 * i, out);
+      });
+      tail_dp(xp, xs, w, M, K, 16 * blocks, out);
+      return;
+    }
+  }
+#endif
   std::vector<float> xf(M * K);
   widen_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, Weights<W>::kPairs, xf.data());
   const int64_t blocks = N / 16;
@@ -193,7 +273,20 @@ void check_x(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.size(1) % 16 == 0, "K must be a multiple of 16");
 }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+// The output: bf16 as x, or float32 (`float_out`).
+at::Tensor output(const at::Tensor& x, int64_t N, bool float_out) {
+  return at::empty({x.size(0), N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+}
+
+#if defined(__AVX512F__)
+Out out_for(at::Tensor& y, const float* sc, const c10::BFloat16* b, int64_t N) {
+  if (y.scalar_type() == at::kFloat) return Out{sc, b, nullptr, N, y.data_ptr<float>()};
+  return Out{sc, b, y.data_ptr<c10::BFloat16>(), N};
+}
+#endif
+
+at::Tensor bf16_product(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool float_out,
+                        bool widen) {
   check_x(x, w);
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "w must be bf16");
   const int64_t M = x.size(0), N = w.size(0);
@@ -202,26 +295,42 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::opti
     b = bias->contiguous();
     TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == N, "b: [N] bf16");
   }
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = output(x, N, float_out);
 #if defined(__AVX512F__)
   if (M > 0 && N > 0)
     run<c10::BFloat16>(x, w.data_ptr<c10::BFloat16>(), N,
-                       Out{nullptr, b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), N});
+                       out_for(y, nullptr, b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, N), widen);
 #endif
   return y;
 }
 
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+at::Tensor int8_product(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, bool float_out) {
   check_x(x, w);
   TORCH_CHECK(w.scalar_type() == at::kChar, "w must be int8");
   const int64_t M = x.size(0), N = w.size(0);
   TORCH_CHECK(scales.dim() == 1 && scales.numel() == N, "scales: [N]");
   const at::Tensor sc = scales.to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = output(x, N, float_out);
 #if defined(__AVX512F__)
-  if (M > 0 && N > 0) run<int8_t>(x, w.data_ptr<int8_t>(), N, Out{sc.data_ptr<float>(), nullptr, y.data_ptr<c10::BFloat16>(), N});
+  if (M > 0 && N > 0) run<int8_t>(x, w.data_ptr<int8_t>(), N, out_for(y, sc.data_ptr<float>(), nullptr, N));
 #endif
   return y;
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  return bf16_product(x, w, bias, false, true);
+}
+
+at::Tensor linear_bf16_f32(const at::Tensor& x, const at::Tensor& w, bool widen) {
+  return bf16_product(x, w, std::nullopt, true, widen);
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  return int8_product(x, w, scales, false);
+}
+
+at::Tensor linear_int8_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  return int8_product(x, w, scales, true);
 }
 
 }  // namespace
@@ -229,10 +338,14 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(longctx, m) {
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? b) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("linear_bf16_f32(Tensor x, Tensor w, bool widen=False) -> Tensor");
+  m.def("linear_int8_f32(Tensor x, Tensor w, Tensor scales) -> Tensor");
   m.def("linear_bf16_supported() -> bool", &linear_bf16_supported);
 }
 
 TORCH_LIBRARY_IMPL(longctx, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_int8", &linear_int8);
+  m.impl("linear_bf16_f32", &linear_bf16_f32);
+  m.impl("linear_int8_f32", &linear_int8_f32);
 }

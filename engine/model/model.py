@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.distributed.parallel import SINGLE, ParallelContext
 from engine.model.config import ModelConfig
+from engine.model.head import head_logits
 from engine.model.layers import OTHER_RANK, DenseMLP, RMSNorm, ShardIndex, add_rms_norm, set_shards
 from engine.model.moe import SparseMoE
 from engine.model.rope import RotaryEmbedding, apply_rotary
@@ -177,12 +177,10 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(self.config).to(device)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """The LM head on normed hidden states: [N, hidden] -> [N, V_local] in the model dtype."""
-        if self.lm_head is not None:
-            return self.lm_head(x)
-        if self.tied_head is not None:
-            return self.tied_head(x)
-        return F.linear(x, self.model.embed_tokens.weight)
+        """The LM head on normed hidden states: [N, hidden] -> [N, V_local] float32, summed in
+        float32 and never rounded to the model dtype (`engine/model/head.py`)."""
+        head = self.lm_head or self.tied_head
+        return head_logits(head, self.model.embed_tokens.weight if head is None else None, x)
 
     def forward(
         self,
@@ -210,10 +208,10 @@ class CausalLM(nn.Module):
         if logits_indices is not None and residual is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         x = self.model.norm(x) if residual is None else add_rms_norm(self.model.norm, x, residual)[0]
-        logits = self.head(x)  # [N, V_local]
+        logits = self.head(x)  # [N, V_local] float32
         if self.parallel.sharded:
             logits = gather_vocab(logits, self.config.vocab_size, self.parallel)  # [N, V]
-        return logits.float()
+        return logits
 
     def shard_specs(self) -> dict[str, dict[object, ShardIndex]]:
         """Packed parameters by full name, each with its parts' destinations."""
