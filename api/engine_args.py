@@ -75,7 +75,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def want_compile(args: argparse.Namespace) -> bool:
     """`--compile` / `--no-compile`, or the default: compile where it can build (one warning if not)."""
-    from engine.model.compiled import compile_available
+    from engine.model.compile_setup import compile_available
 
     asked = getattr(args, "compile", None)
     if asked is False:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 from engine.loading.model_source import longctx_home
-from engine.model.compiled import CompiledStep, configure
+from engine.model.compile_setup import configure
+from engine.model.compiled import CompiledStep
 from engine.model_runner import ModelRunner
 
 log = logging.getLogger("longctx.compile")

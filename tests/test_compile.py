@@ -24,7 +24,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralFo
 from engine.attention import cpu_kernel
 from engine.loading.weights import SafetensorsSource, load_model
 from engine.model import linear, quant
-from engine.model.compiled import CompiledStep, compile_available, configure, prepare
+from engine.model.compile_setup import compile_available, configure, prepare
+from engine.model.compiled import CompiledStep
 from engine.model.graph_store import NativeGraph
 from engine.model.linear_bf16 import WidenedLinear
 from engine.model.quant import QuantConfig
@@ -287,7 +288,8 @@ from pathlib import Path
 import torch
 from engine.loading.weights import SafetensorsSource, load_model
 from engine.loading.weights import SafetensorsSource, load_model
-from engine.model.compiled import CompiledStep, configure
+from engine.model.compile_setup import configure
+from engine.model.compiled import CompiledStep
 from engine.model.config import ModelConfig
 from engine.model.graph_store import NativeGraph
 from engine.model.quant import QuantConfig
@@ -373,3 +375,38 @@ def test_eager_by_default_with_hooks_seeing_every_layer(dense: TinyModel) -> Non
         for h in hooks:
             h.remove()
     assert {"model.layers.1.mlp", "model.layers.0.input_layernorm", "model.layers.1.self_attn.o_proj"} <= set(seen)
+
+
+def test_packed_weights_reach_the_graphs_as_packed(dense: TinyModel) -> None:
+    """oneDNN's prepacked bf16 weights (opaque mkldnn tensors, fake strides (1, 0)) enter the
+    compiled graphs as the very tensors the modules packed: every `_linear_pointwise` a compiled
+    step makes, through the bound C++ graphs, gets one of the model's packed weights itself, not
+    a copy (a copy made by an inductor pass would follow the fake strides and read garbage)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if not linear.packing_supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no oneDNN bf16 packing on this CPU")
+    model, _ = load_model(dense.config, SafetensorsSource(dense.path), torch.bfloat16, progress=False)
+    packed = {m.weight._cdata for m in model.modules() if isinstance(m, linear.PackedLinear)}
+    assert len(packed) == 4 * dense.config.num_layers  # qkv, o_proj, gate_up, down
+    pair = Pair(TinyModel(dense.ref, dense.path, dense.config, model))
+    steps = DENSE_STEPS[1:3]
+    pair.run(steps)  # compiles (or loads) and binds buckets 16 and 4
+
+    class Weights(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[bool, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.mkldnn._linear_pointwise.default:
+                self.seen.append((args[1].is_mkldnn, args[1]._cdata))
+            return func(*args, **(kwargs or {}))
+
+    with Weights() as mode:
+        out = pair.run(steps)
+    assert set(pair.step.bound) >= {4, 16}
+    assert mode.seen and all(is_mkldnn and ptr in packed for is_mkldnn, ptr in mode.seen), mode.seen[:4]
+    assert len(mode.seen) >= 2 * 4 * dense.config.num_layers  # eager and compiled runners, 4 linears a layer
+    for eager, compiled in out:
+        assert _rel(eager, compiled) <= 2e-2

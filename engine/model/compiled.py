@@ -18,22 +18,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import subprocess
-import sysconfig
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import cpu_kernel
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.model.direct import DirectCall, Region, current_store, signature, use_store
-from engine.model.graph_store import GraphStore
+from engine.model.compile_setup import prepare
+from engine.model.direct import DirectCall, Region, current_store, signature
 from engine.model.layers import DenseMLP
 from engine.model.model import CausalLM, DecoderLayer
 from engine.model.regions import LinearSpec, linear_spec, post_attention, pre_attention
@@ -41,71 +36,6 @@ from engine.model.regions import LinearSpec, linear_spec, post_attention, pre_at
 log = logging.getLogger("longctx.compile")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# Compiled graphs per region's code object across all models of a process (a model uses at
-# most len(BUCKETS) per region; tests and benchmarks build several models).
-RECOMPILE_LIMIT = 64
-
-
-@functools.cache
-def compile_available() -> str | None:
-    """None when inductor's CPU backend can build here; else why not (no C++ compiler, no headers)."""
-    cxx = cpu_kernel.compiler()
-    if cxx is None:
-        return "no C++ compiler (g++) on PATH"
-    include = Path(sysconfig.get_paths()["include"]) / "Python.h"
-    if not include.exists():
-        return f"no Python headers ({include} is missing; install python3-dev)"
-    try:
-        subprocess.run([cxx, "--version"], capture_output=True, check=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"the C++ compiler {cxx} does not run: {e}"
-    return None
-
-
-def configure(home: Path, graphs: Path | None = None) -> Path:
-    """Point inductor's caches at `home/compile` (`$LONGCTX_HOME/compile` in the engine) and the
-    graph store at `graphs` (default `home/compile/graphs`); call before the first compile.
-    Dynamo and inductor themselves are set up (and imported) only when a graph is traced:
-    a start whose graphs are all stored never imports them. Returns the cache directory."""
-    cache = home / "compile"
-    cache.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
-    use_store(GraphStore(graphs or cache / "graphs"))
-    return cache
-
-
-@functools.cache
-def prepare() -> None:
-    """The compile options, set once before the first trace (this imports dynamo and inductor)."""
-    import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fx_graph_cache = True
-    inductor_config.cpp_wrapper = True  # C++ wrapper: no Python between the kernels of a region
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-    dynamo_config.fail_on_recompile_limit_hit = True
-    _packed_linear_as_fallback()
-
-
-@functools.cache
-def _packed_linear_as_fallback() -> None:
-    """Let inductor call `mkldnn._linear_pointwise` (our prepacked bf16 linears) as the aten op.
-
-    Its inductor lowering, and the oneDNN fusion patterns that rewrite a linear + add or a
-    linear + activation into it, exist for freezing, where the packed weight is a constant of
-    the graph, and assert so; here the weight is an input (one graph for all layers). So the
-    patterns are left unregistered (they are registered once per process, at the first
-    compile, only while oneDNN is enabled) and the op runs as an extern call through the
-    dispatcher, as in the eager model."""
-    import torch._inductor.mkldnn_lowerings  # (registers the lowering to replace)
-    from torch._inductor.fx_passes.post_grad import lazy_init
-    from torch._inductor.lowering import lowerings, make_fallback
-
-    with torch.backends.mkldnn.flags(enabled=False):
-        lazy_init()
-    op = torch.ops.mkldnn._linear_pointwise.default
-    lowerings.pop(op, None)
-    make_fallback(op, warn=False)
 
 
 def bucket_for(num_tokens: int) -> int | None:
@@ -159,6 +89,12 @@ class CompiledStep:
             self.layers.append((pre_args, post_args))
         self.heads = (model.local_heads, model.local_kv_heads, cfg.head_dim)
         self.windows = {window for _, window in self.attention}
+        # Buckets that run the eager model instead (their graphs failed the self-check,
+        # `engine/verify/self_check.py`): bucket -> why.
+        self.eager_buckets: dict[int, str] = {}
+        # Called after every region call with (bucket, layer, 0 = pre / 1 = post, args, outputs)
+        # while set; steps then go region by region (the same graphs), never `_direct_layers`.
+        self.observer: Callable[[int, int, int, tuple[Any, ...], Any], None] | None = None
 
     def __call__(
         self,
@@ -170,7 +106,7 @@ class CompiledStep:
     ) -> torch.Tensor:
         T = input_ids.shape[0]
         bucket = bucket_for(T)
-        if bucket is None:
+        if bucket is None or bucket in self.eager_buckets:
             return self.model(input_ids, meta, kv_caches, backend, logits_indices)
         m = self.model
         pad = bucket - T
@@ -181,7 +117,7 @@ class CompiledStep:
         cos, sin = m.rope.cos_sin(positions, x.dtype)
         residual = torch.zeros_like(x)
         bound = self.bound.get(bucket)
-        if bound is not None and not pad and cos.is_contiguous() and sin.is_contiguous():
+        if bound is not None and not pad and cos.is_contiguous() and sin.is_contiguous() and self.observer is None:
             x, residual = self._direct_layers(bound, x, residual, cos, sin, kv_caches, backend)
         else:
             layers = zip(kv_caches, self.layers, self.attention, self.sparse, strict=True)
@@ -206,9 +142,9 @@ class CompiledStep:
         elif pad:
             x, residual = x[:T], residual[:T]
         h = x + residual
-        logits = m.head(m.model.norm(h))
+        logits = m.head(m.model.norm(h))  # [N, V] float32
         self.compiled_buckets.add(bucket)
-        return logits.float()
+        return logits
 
     def _direct_layers(
         self,
@@ -245,12 +181,15 @@ class CompiledStep:
         key = (bucket, layer, which)
         dynamic = (0, 1, len(args) - 4, len(args) - 3) if which == 0 else (0, 1)
         call = self.direct.get(key)
-        if call is not None and all(args[i].is_contiguous() for i in dynamic):
-            return call(*(args[i] for i in dynamic))
         region = self.post if which else self.pre
-        if not self.use_direct or key in self.direct:
-            return region(*args)
-        out, self.direct[key] = region.call_and_bind(args, dynamic)
+        if call is not None and all(args[i].is_contiguous() for i in dynamic):
+            out = call(*(args[i] for i in dynamic))
+        elif not self.use_direct or key in self.direct:
+            out = region(*args)
+        else:
+            out, self.direct[key] = region.call_and_bind(args, dynamic)
+        if self.observer is not None:
+            self.observer(bucket, layer, which, args, out)
         return out
 
     def warm_up(self, page_size: int, buckets: tuple[int, ...] = BUCKETS) -> float:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from engine.model import quant
 from engine.model.graph_store import GraphStore, InputPath, NativeGraph
 
 
@@ -88,7 +89,9 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
 
 
 def signature(values: Sequence[Any]) -> tuple[Any, ...]:
-    """What dynamo's guards see of `values` (nested tuples of tensors and constants)."""
+    """What dynamo's guards see of `values` (nested tuples of tensors and constants), and of the
+    module globals the regions read: `quant.BF16_EMULATED` picks int8's kernels inside a graph, so
+    two graphs traced under its two values (a test forcing the emulated-bf16 path) are two graphs."""
     seen: dict[int, int] = {}
 
     def leaf(v: Any) -> Any:
@@ -99,7 +102,7 @@ def signature(values: Sequence[Any]) -> tuple[Any, ...]:
             return (type(v).__name__, tuple(leaf(x) for x in v))
         return (type(v).__name__, v)
 
-    return tuple(leaf(v) for v in values)
+    return (*(leaf(v) for v in values), ("globals", quant.BF16_EMULATED))
 
 
 class DirectCall:
