@@ -61,7 +61,12 @@ def ready(request: Request[Any, Any, Any]) -> Response[ReadyBody]:
         err = ErrorObject(message="the engine thread is not running", type="server_error")
         return Response(ReadyBody(phase="engine_stopped", error=err), status_code=503)
     if state.ready and not state.draining:
-        return Response(ReadyBody(status="ready", phase=state.phase, phase_seconds=state.phase_seconds))
+        body = ReadyBody(status="ready", phase=state.phase, phase_seconds=state.phase_seconds)
+        report = state.compile_report
+        if report is not None:
+            body.compiled_buckets = report.compiled_buckets
+            body.eager_buckets = {str(b): why for b, why in report.eager.items()}
+        return Response(body)
     body = ReadyBody(phase=state.phase)
     if state.error:
         body.error = ErrorObject(message=state.error, type="server_error", code="startup_failed")

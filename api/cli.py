@@ -11,6 +11,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,6 +43,21 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-keys-file", type=Path, default=None, help="'KEY TENANT' per line (default: no auth, loopback)"
     )
+
+
+def _check_buckets(engine: Any, prompt_len: int) -> None:
+    """Compile and self-check the compiled step's buckets this prompt will use (its prefill
+    chunks' and decoding's), as `serve` does for every bucket at start; one that fails runs eager."""
+    from engine.model.compiled import CompiledStep, bucket_for
+    from engine.verify.self_check import warm_up_and_check
+
+    step = engine.runner.step
+    if not isinstance(step, CompiledStep):
+        return
+    budget = engine.config.max_num_batched_tokens
+    chunks = [budget] * (prompt_len // budget) + ([prompt_len % budget] if prompt_len % budget else [])
+    buckets = {bucket_for(n) for n in chunks} | {1}
+    warm_up_and_check(step, engine.kv_spec.page_size, tuple(sorted(b for b in buckets if b is not None)))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -98,6 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
         local = ModelRunner.for_model(loaded.model, args.page_size, args.kv_cache_bytes, args.attention_backend)
         runner = DistributedRunner(local, parallel, watchdog)
     engine = Engine(loaded.model, tok, config, parallel=parallel, fingerprint=loaded.stats.fingerprint, runner=runner)
+    _check_buckets(engine, len(prompt_ids))
     log = logging.getLogger("longctx.generate")
     t0 = time.perf_counter()
     handle = engine.add_request(prompt_ids, params, matcher=structured.matcher if structured else None)
@@ -172,6 +189,10 @@ def _doctor(args: argparse.Namespace) -> int:
         save_baseline=args.save_baseline,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.expert_parallel,
+        serve_dtype=args.serve_dtype,
+        quantization=args.quantization,
+        group_size=args.group_size,
+        compile=args.compile,
     )
     report = run_doctor(args.model, options)
     print_summary(report)
@@ -217,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--report", type=Path, default=None, help="write the JSON report here")
     doc.add_argument("--tensor-parallel-size", type=int, default=1, help="parallel stage: ranks to shard over")
     doc.add_argument("--expert-parallel", action="store_true", help="parallel stage: whole experts per rank")
+    doc.add_argument("--serve-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="serving stage: the dtype serve runs (its --dtype)")  # fmt: skip
+    doc.add_argument("--quantization", default="none", choices=["none", "int8", "int4"], help="serving stage")
+    doc.add_argument("--group-size", type=int, default=32, help="serving stage: int4 group size")
+    doc.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="serving stage: the compiled step (default: as serve picks here)")  # fmt: skip
     doc.set_defaults(func=_doctor)
 
     chat = sub.add_parser("chat", help="a terminal client: chat with a running server")

@@ -155,6 +155,24 @@ def render(state: ServerState, m: Metrics = METRICS) -> str:
     out += _family("longctx:startup_phase_seconds", "gauge", "seconds each startup phase took", [
         (f'{{phase="{_label(p)}"}}', s) for p, s in state.phase_seconds.items()
     ])  # fmt: skip
+    report = state.compile_report
+    if report is not None:
+        out += _family(
+            "longctx:compiled_bucket_mismatch_total",
+            "counter",
+            "compiled step buckets over their self-check bound (run eager)",
+            [("", len(report.eager))],
+        )
+        out += _family(
+            "longctx:compiled_bucket",
+            "gauge",
+            "compiled step buckets: 1 compiled, 0 eager",
+            [(f'{{bucket="{c.bucket}"}}', int(c.ok)) for c in report.checks],
+        )
+        out += _family("longctx:compiled_bucket_logits_error", "gauge",
+                       "each bucket's self-check: relative logit error against the eager modules", [
+            (f'{{bucket="{c.bucket}"}}', c.error) for c in report.checks
+        ])  # fmt: skip
     out += _family("longctx:process_resident_memory_bytes", "gauge", "resident memory", [("", _rss_bytes())])
     out += _load(state)
     queue = tenant_queue(state)

@@ -41,6 +41,9 @@ class ReadyBody(msgspec.Struct, kw_only=True, omit_defaults=True):
     phase: str
     status: str | None = None
     phase_seconds: dict[str, float] | None = None
+    # The compiled step's buckets that passed their self-check, and those running eager (why).
+    compiled_buckets: list[int] | None = None
+    eager_buckets: dict[str, str] | None = None
     error: ErrorObject | None = None
 
 

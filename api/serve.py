@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psutil
 import uvicorn
@@ -38,6 +38,9 @@ from api.app import MAX_BODY_BYTES, create_app
 from api.managed_redis import INSTALL_HINT, ManagedRedis, cache_args, state_args
 from api.model_load import ModelLoad, load_model
 from api.state import ServeOptions, ServerState
+
+if TYPE_CHECKING:
+    from engine.verify.self_check import CompileReport
 
 log = logging.getLogger("longctx.serve")
 
@@ -154,12 +157,15 @@ class Startup:
         return engine.start(), grammar
 
     @staticmethod
-    def _compile(engine: Any) -> None:
-        """The compiled step's graphs for every bucket (from `$LONGCTX_HOME/compile` when cached)."""
+    def _compile(engine: Any) -> CompileReport | None:
+        """The compiled step's graphs for every bucket (from `$LONGCTX_HOME/compile` when cached),
+        each self-checked against the eager modules; a bucket that fails runs eager."""
         from engine.model.compiled import CompiledStep
+        from engine.verify.self_check import warm_up_and_check
 
         if isinstance(engine.runner.step, CompiledStep):
-            engine.runner.step.warm_up(engine.kv_spec.page_size)
+            return warm_up_and_check(engine.runner.step, engine.kv_spec.page_size)
+        return None
 
     @staticmethod
     def _warm_up(engine: Any, grammar: Any) -> None:
@@ -204,7 +210,8 @@ class Startup:
             engine, grammar = await self._phase(state, "engine", lambda: _in_thread(lambda: self._engine(loaded)))
             with state.lock:
                 state.engine, state.grammar = engine, grammar
-            await self._phase(state, "compile", lambda: _in_thread(lambda: self._compile(engine)))
+            compiling = lambda: _in_thread(lambda: self._compile(engine))  # noqa: E731
+            state.compile_report = await self._phase(state, "compile", compiling)
             await self._phase(state, "warm-up", lambda: _in_thread(lambda: self._warm_up(engine, grammar)))
             await self._phase(state, "routes", lambda: self._routes(state))
         except asyncio.CancelledError:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from engine.engine import Engine
     from engine.loading.loader import LoadedModel
+    from engine.verify.self_check import CompileReport
 
 Hook = Callable[["ServerState"], Awaitable[None]]
 
@@ -72,6 +73,7 @@ class ServerState:
     engine: Engine | None = None
     redis: Redis | None = None  # redis.asyncio client of the state Redis, bound to the server's loop
     grammar: Any = None  # tools.grammar.GrammarCompiler for the model's tokenizer
+    compile_report: CompileReport | None = None  # the compiled step's buckets and their self-check
     # Run on the event loop during the `routes` phase (e.g. build the session store and
     # service, start background workers) and, in reverse order, on shutdown.
     on_startup: list[Hook] = field(default_factory=list)

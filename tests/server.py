@@ -30,6 +30,9 @@ from tests.redis_server import delete_prefix, shared_redis, unique_prefix
 ROOT = Path(__file__).resolve().parent.parent
 TEST_KEY, TEST_TENANT = "sk-test-a", "tenant-a"  # the key clients of `keys_args` servers use
 READY_TIMEOUT_S = 120.0
+# A server with the compiled step compiles (or loads) and self-checks every bucket before ready:
+# cold, on 2 busy cores, minutes.
+COMPILED_READY_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 60.0
 
 
@@ -107,13 +110,14 @@ def start_server(
             env={**os.environ, **(env or {})},
         )  # fmt: skip
     server = Server(f"http://127.0.0.1:{port}", proc, prefix, log)
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    timeout = COMPILED_READY_TIMEOUT_S if "--compile" in args else READY_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
             raise AssertionError(f"server exited with {proc.returncode} before ready:\n{server.log_tail()}")
         if time.monotonic() > deadline:
             server.stop()
-            raise AssertionError(f"server not ready within {READY_TIMEOUT_S}s:\n{server.log_tail()}")
+            raise AssertionError(f"server not ready within {timeout}s:\n{server.log_tail()}")
         status, body = http_get(server.url + "/ready", timeout_s=2.0)
         if status == 200:
             return server

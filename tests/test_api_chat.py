@@ -1,5 +1,6 @@
 """Chat Completions and Models over HTTP with the official `openai` client: `longctx serve` on the
-demo model (float32) and the shared test Redis. Text streamed and not, `parse` with a Pydantic
+demo model with the defaults users get (dtype auto, the compiled step with every bucket
+self-checked, this CPU's kernels) and the shared test Redis. Text streamed and not, `parse` with a Pydantic
 model, tools with streamed `delta.tool_calls` adding up, a tool round trip, logprobs, a seed, stop,
 usage with cached tokens, the models list, and 4xx errors for what is not supported. The server
 runs with `--api-keys-file` and two tenants: B never sees A's conversations, responses or cached
@@ -29,7 +30,7 @@ from tests.redis_server import shared_redis
 from tests.server import Server, running_server
 
 ARGS = (
-    "--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "0",
+    "--compile", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "0",
     "--max-num-seqs", "1", "--max-queued", "1", "--shutdown-grace-s", "5",
 )  # fmt: skip
 WEATHER: Any = {
@@ -302,6 +303,19 @@ def test_metrics(server: Server, client: openai.OpenAI, model: str) -> None:
             pass
     last = _samples(httpx.get(server.url + "/metrics", timeout=10).text)
     assert last[ttft] == after[ttft] + 1  # a streamed response counts as well
+
+
+def test_compiled_buckets_self_checked_on_ready_and_metrics(server: Server) -> None:
+    """The compile phase self-checked every bucket against the eager modules: all passed here, and
+    `/ready` and `/metrics` say which buckets are compiled."""
+    ready = httpx.get(server.url + "/ready", timeout=10).json()
+    assert ready["compiled_buckets"] == [1, 2, 4, 8, 16, 32, 64] and "eager_buckets" not in ready, ready
+    assert "compile" in ready["phase_seconds"]
+    samples = _samples(httpx.get(server.url + "/metrics", timeout=10).text)
+    assert samples["longctx:compiled_bucket_mismatch_total"] == 0
+    assert all(samples[f'longctx:compiled_bucket{{bucket="{b}"}}'] == 1 for b in (1, 2, 4, 8, 16, 32, 64))
+    assert 0 < samples['longctx:compiled_bucket_logits_error{bucket="1"}'] < 5e-2
+    assert "self-checked 7 compiled buckets" in server.log.read_text(errors="replace")
 
 
 def test_longctx_chat_piped(server: Server) -> None:

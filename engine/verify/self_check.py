@@ -1,0 +1,145 @@
+"""The compiled step's self-check: every compiled bucket against the eager modules on one fixed
+input, before it serves.
+
+It runs once per bucket at start-up (`longctx serve`'s compile phase; `longctx generate` for the
+buckets it will use): a prefill of `bucket` fixed tokens through the compiled step and through
+the eager model, each over a scratch KV cache, and compares the logits (relative error against
+`bounds.compiled_bound`). While it runs, each region call is also recomputed by the region's
+plain function on the same arguments, so a failing bucket names its worst region and layer. A
+bucket over the bound runs eager from then on (`CompiledStep.eager_buckets`), with an ERROR
+naming the region, bucket and error; the start never fails for it.
+
+What it catches: a kernel or graph that computes something else on this CPU (a layout, a bound
+weight, a lowering). What it cannot catch: rounding ties (the LM head's float32 logits remove
+those, `engine/model/head.py`), or faults only other inputs reach.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.attention.base import AttentionMetadata
+from engine.attention.torch_paged import TorchPagedBackend
+from engine.model.compiled import BUCKETS, CompiledStep
+from engine.model.regions import post_attention, pre_attention
+from engine.verify.agreement import rel_error
+from engine.verify.bounds import compiled_bound
+
+log = logging.getLogger("longctx.compile")
+
+REGIONS = ("pre_attention", "post_attention")
+
+
+@dataclass(frozen=True)
+class BucketCheck:
+    """One bucket's comparison: the logits' relative error and the worst region's."""
+
+    bucket: int
+    error: float
+    bound: float
+    region: str  # "layer 3 post_attention"
+    region_error: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.bound  # False for NaN / inf too
+
+
+@dataclass
+class CompileReport:
+    """What the compile phase did: seconds compiling (or loading graphs), seconds checking, and
+    per bucket its check; `eager` names the buckets that run eager, with why."""
+
+    compile_s: float = 0.0
+    check_s: float = 0.0
+    checks: list[BucketCheck] = field(default_factory=list)
+    eager: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def compiled_buckets(self) -> list[int]:
+        return [c.bucket for c in self.checks if c.ok]
+
+
+def _ids(bucket: int, vocab: int) -> torch.Tensor:
+    """Fixed, spread token ids (no special tokens at the ends of the vocabulary)."""
+    return (torch.arange(bucket, dtype=torch.int64) * 7919 + 101) % max(vocab - 256, 1)
+
+
+def _step_inputs(step: CompiledStep, bucket: int, page_size: int) -> tuple[Any, ...]:
+    m = step.model
+    cfg = m.config
+    norm = m.model.norm.weight
+    pages = -(-bucket // page_size)
+    caches = [
+        torch.zeros(pages, 2, page_size, m.local_kv_heads, cfg.head_dim, dtype=norm.dtype, device=norm.device)
+        for _ in range(cfg.num_layers)
+    ]
+    meta = AttentionMetadata.build([list(range(pages))], [bucket], [bucket], page_size, norm.device)
+    backend = TorchPagedBackend(m.local_heads, m.local_kv_heads, cfg.head_dim)
+    backend.plan(meta)
+    return _ids(bucket, cfg.vocab_size).to(norm.device), meta, caches, backend
+
+
+@torch.inference_mode()
+def check_bucket(step: CompiledStep, bucket: int, page_size: int) -> BucketCheck:
+    """The compiled step at `bucket` against the eager model on the fixed input."""
+    dtype = step.model.model.norm.weight.dtype
+    ids, meta, caches, backend = _step_inputs(step, bucket, page_size)
+    eager = step.model(ids, meta, caches, backend)  # [bucket, V] float32
+    ids, meta, caches, backend = _step_inputs(step, bucket, page_size)
+    worst = ("", 0.0)
+
+    def observe(_bucket: int, layer: int, which: int, args: tuple[Any, ...], out: Any) -> None:
+        nonlocal worst
+        ref = (post_attention if which else pre_attention)(*args)
+        err = max(rel_error(a, b) for a, b in zip(_tensors(out), _tensors(ref), strict=True))
+        if not err <= worst[1]:  # (NaN and inf included)
+            worst = (f"layer {layer} {REGIONS[which]}", err)
+
+    step.observer = observe
+    try:
+        by_region = step(ids, meta, caches, backend)
+    finally:
+        step.observer = None
+    ids, meta, caches, backend = _step_inputs(step, bucket, page_size)
+    direct = step(ids, meta, caches, backend)  # the bound graphs as steps call them
+    error = max(rel_error(by_region, eager), rel_error(direct, eager))
+    return BucketCheck(bucket, error, compiled_bound(dtype), *worst)
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    items = out if isinstance(out, tuple | list) else (out,)
+    flat: list[torch.Tensor] = []
+    for x in items:
+        flat.extend(_tensors(x) if isinstance(x, tuple | list) else [x])
+    return flat
+
+
+def warm_up_and_check(step: CompiledStep, page_size: int, buckets: tuple[int, ...] = BUCKETS) -> CompileReport:
+    """Compile (or load) `buckets`' graphs, then check each; a bucket over its bound runs eager."""
+    report = CompileReport(compile_s=step.warm_up(page_size, buckets))
+    t0 = time.perf_counter()
+    for bucket in buckets:
+        try:
+            check = check_bucket(step, bucket, page_size)
+        except Exception as e:  # a graph that raises is a graph that fails its check
+            check = BucketCheck(bucket, float("inf"), compiled_bound(step.model.model.norm.weight.dtype), str(e), 0.0)
+        report.checks.append(check)
+        if not check.ok:
+            why = f"logits error {check.error:.2e} > {check.bound:.0e}; worst {check.region} ({check.region_error:.2e})"
+            step.eager_buckets[bucket] = why
+            log.error("compiled step bucket %d fails its self-check (%s): running it eager", bucket, why)
+    report.check_s = time.perf_counter() - t0
+    report.eager = dict(step.eager_buckets)
+    worst = max(report.checks, key=lambda c: c.error / c.bound, default=None)
+    log.info(
+        "self-checked %d compiled buckets in %.2fs: %d eager%s",
+        len(buckets), report.check_s, len(report.eager),
+        f"; largest logits error {worst.error:.1e} (bucket {worst.bucket}, bound {worst.bound:.0e})" if worst else "",
+    )  # fmt: skip
+    return report
