@@ -46,7 +46,7 @@ ARCHS: dict[str, tuple[type, type, dict[str, Any]]] = {
     ),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 48}),
 }  # fmt: skip
-STAGES = ("config", "weights", "reference", "activations", "generation", "length", "parallel")
+STAGES = ("config", "weights", "reference", "serving", "activations", "generation", "length", "parallel")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -188,6 +188,38 @@ def test_nan_fails_and_zeros_warn_in_the_weights_stage(tiny_dirs: dict[str, Path
     assert status == "fail" and "'model.layers.1.mlp.up_proj.weight'" in reasons[-1] and "1 NaN" in reasons[-1]
     st = run_doctor(str(zero), DoctorOptions(stages=("weights",)), echo=False).stage("weights")
     assert st.status == "warn" and st.first("warn") == "tensor 'model.layers.0.self_attn.k_proj.weight' is all zeros"
+
+
+def test_a_nan_weight_fails_the_reference_and_activations_stages(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """One NaN in a weight: NaN against NaN is no agreement, so the reference stage fails naming
+    the first layer it reaches; the activations stage reports where non-finite values first
+    appear instead of raising on a tensor with no finite value."""
+    nan = tmp_path / "nan"
+    shutil.copytree(tiny_dirs["llama"], nan)
+    _edit(nan, lambda t: t["model.layers.1.mlp.gate_proj.weight"].view(-1).__setitem__(3, float("nan")))
+    report = run_doctor(str(nan), DoctorOptions(stages=("reference", "activations"), greedy_tokens=0), echo=False)
+    ref, act = report.stage("reference"), report.stage("activations")
+    assert ref.status == "fail" and "layer 1 MLP" in (ref.first("fail") or ""), ref.reasons
+    assert act.status == "fail" and not any("Error" in r for r in act.reasons), act.reasons
+    assert "layer 1 MLP" in (act.first("fail") or ""), act.reasons
+
+
+def test_serving_stage_names_the_layer_and_bucket_of_a_served_only_fault(llama: tuple[LoadedModel, Any]) -> None:
+    """The served configuration (bf16, compiled) with one layer's o_proj scaled after loading: the
+    eager float32 model is intact, so only the serving stage can see it, and it names layer 1's
+    attention output at the first bucket, with the compiled regions themselves agreeing."""
+    lm, _ = llama
+    served = load(str(lm.source.path), "bfloat16", progress=False)
+    with torch.no_grad():
+        served.model.model.layers[1].self_attn.o_proj.weight.mul_(1.5)
+    options = DoctorOptions(stages=("serving",), serve_dtype="bfloat16", compile=True)
+    st = run_stages(lm, options, served=served).stage("serving")
+    assert st.status == "fail", st.reasons
+    assert (st.first("fail") or "").startswith("bucket 1, layer 1 attention"), st.reasons
+    assert "post_attention" in (st.first("fail") or "") or "pre_attention" in (st.first("fail") or ""), st.reasons
+    ok = run_stages(lm, options).stage("serving")
+    assert ok.status == "pass" and ok.data["path"] == "bfloat16/compiled/none/native/kernel", ok.reasons
+    assert ok.data["buckets"] == [1, 4, 16] and ok.data["agreement"]["decided"] >= 0.95, ok.data["agreement"]
 
 
 def test_one_layer_far_off_its_siblings_warns() -> None:

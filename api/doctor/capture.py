@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.model.model import CausalLM
 from engine.model_runner import Chunk, ModelRunner
+from engine.verify.agreement import rel_error as verify_rel_error
 from kvstore.block_pool import BlockPool
 
 # The fixed prompts (raw text, no chat template): prose, code and a list, short enough for any model.
@@ -130,6 +131,6 @@ def capture_reference(hf_model: Any, prompts: list[list[int]]) -> list[Capture]:
 
 
 def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|ours - ref| / max|ref| (the measure the differential tests use)."""
-    scale = float(ref.abs().max())
-    return float((ours - ref).abs().max()) / scale if scale > 0 else float((ours - ref).abs().max())
+    """max|ours - ref| / max|ref| (the measure the differential tests use); inf when either holds
+    a NaN or an infinity (NaN against NaN is a failure, not "no error")."""
+    return verify_rel_error(ours, ref)

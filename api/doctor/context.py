@@ -20,6 +20,7 @@ class DoctorContext:
     loaded: LoadedModel
     options: DoctorOptions
     reference_model: Any = None  # a transformers model given by the caller (else loaded when needed)
+    served: LoadedModel | None = None  # the serving stage's model given by the caller (else loaded)
     _prompts: list[list[int]] | None = None
     _ours: list[Capture] | None = None
     extras: dict[str, Any] = field(default_factory=dict)

@@ -145,6 +145,9 @@ def _check_tool_call(ctx: DoctorContext, engine: Engine, st: StageResult, rows: 
     from tools.schema import parse_tools
 
     tok = ctx.loaded.tokenizer
+    if not tok.chat_template:
+        st.note("tool call not checked: the checkpoint has no chat template (a base model) to render tools with")
+        return
     compiler = ctx.extras["compiler"]
     tools = parse_tools(TOOLS)
     fmt = detect_format(tok)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-STAGES = ("config", "weights", "reference", "activations", "generation", "length", "parallel", "quantization")
+STAGES = (
+    "config", "weights", "reference", "serving", "activations", "generation", "length", "parallel", "quantization",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,8 @@ class DoctorOptions:
     reference: "transformers" or "none".
     baseline / save_baseline: a baseline file to compare against / to write.
     tensor_parallel_size, expert_parallel: the parallel stage's sharding (1 = stage skipped).
+    serve_dtype, quantization, group_size, compile: the serving stage's configuration, as
+        `longctx serve` takes them (`compile` None: what serve picks here).
     """
 
     stages: tuple[str, ...] = STAGES
@@ -30,6 +34,10 @@ class DoctorOptions:
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
     greedy_tokens: int = 32
+    serve_dtype: str = "auto"
+    quantization: str = "none"
+    group_size: int = 32
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.stages if s not in STAGES]

@@ -61,6 +61,7 @@ def run_stages(
     report: Report | None = None,
     *,
     reference_model: Any = None,
+    served: LoadedModel | None = None,
     echo: bool = False,
 ) -> Report:
     """The stages after loading, on `loaded` as it is in memory.
@@ -68,6 +69,7 @@ def run_stages(
     Args:
         reference_model: a transformers model of the same checkpoint to compare with (else the
             reference stage loads one).
+        served: the serving stage's model (else it loads the configuration the options name).
         echo: print each stage's table to stdout as it finishes.
     """
     from api.doctor.activations_stage import activations_stage
@@ -75,11 +77,13 @@ def run_stages(
     from api.doctor.length_stage import length_stage
     from api.doctor.parallel_stage import parallel_stage
     from api.doctor.quantization_stage import quantization_stage
+    from api.doctor.serving_stage import serving_stage
 
     report = report or Report(loaded.source.name)
-    ctx = DoctorContext(loaded, options, reference_model)
+    ctx = DoctorContext(loaded, options, reference_model, served)
     stages: dict[str, Callable[[DoctorContext, StageResult], None]] = {
         "reference": _reference,
+        "serving": serving_stage,
         "activations": activations_stage,
         "generation": generation_stage,
         "length": length_stage,
