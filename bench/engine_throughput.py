@@ -10,6 +10,9 @@ step's linears called back to back on one token, and step time / floor; `--profi
 single-stream decode step into matmuls, attention, other ops and Python. llama.cpp runs through
 its own generation loop (`create_completion(stream=True)`, EOS suppressed by `logit_bias`),
 and is skipped with a note when llama-cpp-python is not installed (`make bench-peers`).
+Beside each row of ours, what that configuration generates: teacher-forced top-1 agreement with
+eager float32 over a fixed text (`engine/verify/paths.py`); a row under its floor is INVALID and
+counts toward no ratio or target.
 Ours runs as served: the compiled step (`--compile`, the default where a C++ compiler is
 present; its graphs compiled before timing, cached under `$LONGCTX_HOME/compile`) or eager
 (`--no-compile`). Single-stream decode is also timed after 256, 4k and 8k-token prompts
@@ -118,7 +121,7 @@ def run_ours(dtype: str, quick: bool, profile: bool = False) -> dict[str, Any]:
     tok = loaded.tokenizer
     compiled = COMPILE and dtype != "float32"  # float32 is the reference dtype: eager
     if compiled:
-        from engine.model.compiled import compile_available
+        from engine.model.compile_setup import compile_available
 
         compiled = compile_available() is None
     config = EngineConfig(kv_cache_bytes=512 << 20, max_num_batched_tokens=512, compile=compiled)
@@ -159,13 +162,34 @@ def run_ours(dtype: str, quick: bool, profile: bool = False) -> dict[str, Any]:
     for (key, _), (rate, step_ms) in zip(singles.items(), runs, strict=True):
         out[key], out[key.replace("decode", "step_ms")] = rate, step_ms
     out["floor_ms"] = sorted(floors)[len(floors) // 2]
+    out.update(_head_cost_ms(loaded.model))
     out["weight_bytes"] = _weight_bytes_per_step(loaded.model)
     out["kv_bytes_per_token"] = engine.kv_spec.bytes_per_token
     out["decode_tokens"] = decode_tokens
     if profile:
         out["profile"] = _profile_step(engine, tok)
     out["peak_rss_mb"] = _rss_mb()
+    out["agreement"] = _agreement(loaded, quant, compiled)
     return out
+
+
+def _agreement(loaded: Any, quant: str, compiled: bool) -> dict[str, Any]:
+    """What this configuration generates against eager float32: teacher-forced top-1 agreement over
+    the fixed text (`engine/verify/paths.py`), where float32 decides, and whether it is over its
+    floor (`engine/verify/bounds.py`): a row under it is INVALID and counts toward no target."""
+    from engine.loading.loader import load
+    from engine.verify.agreement import TEXT, TEXT_B
+    from engine.verify.bounds import agreement_floor
+    from engine.verify.paths import TOKENS_A, TOKENS_B, ServingPath, compare, reference, run_schedule
+
+    tok = loaded.tokenizer
+    a, b = tok.encode(TEXT)[:TOKENS_A], tok.encode(TEXT_B)[:TOKENS_B]
+    ref = reference(load("smollm2-135m-instruct", dtype="float32", progress=False).model, a, b)
+    dtype = str(loaded.dtype).replace("torch.", "")
+    path = ServingPath(dtype, compiled, quant, "native", "kernel")
+    ag = compare(run_schedule(loaded.model, path, a, b), ref, loaded.dtype)
+    floor = agreement_floor(loaded.dtype, quant)
+    return {"path": path.name, **ag._asdict(), "floor": floor, "valid": ag.finite and ag.decided >= floor}
 
 
 def _decode_rounds(
@@ -238,11 +262,34 @@ def _matmul_floor_ms(model: Any, reps: int = 20) -> float:
     return 1000 * sorted(times)[reps // 2]
 
 
+def _head_cost_ms(model: Any, reps: int = 20) -> dict[str, float]:
+    """The LM head at 1 and 16 rows (median ms): as served (float32 logits, `engine/model/head.py`)
+    and, for a bf16 model, the prepacked oneDNN product rounded to bf16 that it replaced."""
+    import torch
+
+    from engine.model.linear import PackedLinear, packing_supported
+
+    out: dict[str, float] = {}
+    dtype = model.model.norm.weight.dtype
+    packed = None
+    if dtype == torch.bfloat16 and packing_supported(dtype, torch.device("cpu")) and model.lm_head is None:
+        packed = PackedLinear(model.model.embed_tokens.weight.detach())
+    with torch.inference_mode():
+        for rows in (1, 16):
+            x = torch.randn(rows, model.config.hidden_size, dtype=dtype)
+            out[f"head_ms_{rows}"] = 1000 * _median_s(lambda x=x: model.head(x), reps)
+            if packed is not None:
+                out[f"head_bf16_ms_{rows}"] = 1000 * _median_s(lambda x=x: packed(x).float(), reps)
+    return out
+
+
 MATMUL_OPS = (
     "mkldnn::_linear_pointwise",
     "aten::_weight_int8pack_mm",
     "longctx::linear_bf16",
     "longctx::linear_int8",
+    "longctx::linear_bf16_f32",
+    "longctx::linear_int8_f32",
     "aten::_weight_int4pack_mm_for_cpu",
     "aten::mm",
     "aten::addmm",
@@ -482,12 +529,13 @@ def print_table(results: dict[str, Any]) -> None:
     cols += ["decode_1_4k", "decode_1_8k", "step_ms_1", "floor_ms", "peak_rss_mb"]
     read = results.get("read_bandwidth_gbs", float("nan"))
     print(f"copy bandwidth {bw:.1f} GB/s, read {read:.1f} GB/s, {results['threads']} threads; tokens/s unless noted")
-    print(f"{'system':24}" + "".join(f"{c:>13}" for c in cols) + f"{'step/floor':>11}{'ceiling%':>12}")
+    print(f"{'system':24}" + "".join(f"{c:>13}" for c in cols) + f"{'agreement':>11}{'step/floor':>11}{'ceiling%':>12}")
     for key, r in runs.items():
         if "error" in r:
             print(f"{key:24} error: {r['error']}")
             continue
-        extra = ""
+        ag = r.get("agreement")
+        extra = f"{'':>11}" if ag is None else f"{ag['decided']:>10.1%}" + (" " if ag["valid"] else " INVALID")
         if "floor_ms" in r:
             extra += f"{r['step_ms_1'] / r['floor_ms']:>10.2f}x"
         if "weight_bytes" in r:
@@ -496,6 +544,15 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"{key:24}" + "".join(f"{r.get(c, float('nan')):>13.1f}" for c in cols) + extra)
         if "profile" in r:
             print(f"{'':24}one decode step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["profile"].items()))
+        if "head_bf16_ms_1" in r:
+            print(f"{'':24}LM head ms (float32 logits / bf16-rounded oneDNN it replaced): 1 row "
+                  f"{r['head_ms_1']:.2f} / {r['head_bf16_ms_1']:.2f}, 16 rows {r['head_ms_16']:.2f} / "
+                  f"{r['head_bf16_ms_16']:.2f}")  # fmt: skip
+    # A row of ours whose output is under its agreement floor counts toward no target.
+    runs = {k: r for k, r in runs.items() if r.get("agreement", {"valid": True})["valid"]}
+    invalid = [k for k in results["runs"] if k not in runs]
+    if invalid:
+        print(f"  INVALID (under their agreement floor, left out of every ratio): {', '.join(invalid)}")
     ratios = {}
     for dt in ("float32", "bfloat16"):
         o, t = runs.get(f"ours/{dt}", {}), runs.get(f"transformers/{dt}", {})
