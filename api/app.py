@@ -26,6 +26,7 @@ from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.types import ControllerRouterHandler
 
 from api.auth import auth_guard
+from api.body_limit import body_limit
 from api.errors import handle_exception
 from api.metrics import http_metrics, metrics
 from api.schemas import ErrorObject, ReadyBody
@@ -124,7 +125,7 @@ def create_app(
 
     app = Litestar(
         route_handlers=[health, ready, metrics, *routes],
-        middleware=[http_metrics],
+        middleware=[http_metrics, body_limit(max_body_bytes)],
         guards=[auth_guard],  # /v1 only: the request's tenant, or 401
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],

@@ -23,7 +23,6 @@ from typing import Any, cast
 import msgspec
 from litestar import Request, Router, get, post
 from litestar.background_tasks import BackgroundTask
-from litestar.response import Stream
 
 from api.app import ready_guard
 from api.auth import tenant as request_tenant
@@ -33,7 +32,7 @@ from api.limits import tenant_queue
 from api.metrics import METRICS
 from api.responses import ERRORS, service
 from api.schemas import ChatCompletion, ChatCompletionBody, Model, ModelList
-from api.sse import HEADERS
+from api.sse import HEADERS, EventStream
 from engine.request import FinishReason, RequestHandle
 from engine.sampling_params import SamplingParams
 from sessions import errors
@@ -333,7 +332,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
             close()
 
         chunks = stream_chunks(svc, p, gen, close)
-        stream = Stream(chunks, media_type="text/event-stream", headers=HEADERS, background=BackgroundTask(after))
+        stream = EventStream(chunks, media_type="text/event-stream", headers=HEADERS, background=BackgroundTask(after))
         return cast(ChatCompletion, stream)
     final: dict[str, Any] = {}
     async for part in gen:

@@ -38,6 +38,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace-s", type=float, default=10, help="on SIGTERM: seconds streams may take to finish")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=8 << 20, help="largest request body (over: 413)")
     p.add_argument(
+        "--hosted-tools", default="ignore", choices=["ignore", "reject"],
+        help="hosted tools (web_search, ...) in a request: ignore (not offered to the model, echoed) or reject (400)",
+    )  # fmt: skip
+    p.add_argument(
         "--max-queued-per-tenant", type=int, default=None, help="waiting requests per tenant (default: --max-queued/2)"
     )
     p.add_argument(
@@ -85,9 +89,11 @@ def _generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop or ()),
     )
     config = engine_config(args)
+    from engine.loading.overrides import parse_overrides
+
     loaded = load(
         args.model, args.dtype, args.device, parallel=parallel, quantization=args.quantization,
-        group_size=args.group_size,
+        group_size=args.group_size, hf_overrides=parse_overrides(args.hf_overrides), chat_template=args.chat_template,
     )  # fmt: skip
     if not parallel.is_driver:  # ranks 1..N-1 replay rank 0's steps until it stops them
         from engine.distributed_runner import serve_worker
@@ -269,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     from engine.model.config import UnsupportedModel
 
     try:
+        if getattr(args, "hf_overrides", None):  # a bad key stops here, before anything loads
+            from engine.loading.overrides import check_keys, parse_overrides
+
+            check_keys(parse_overrides(args.hf_overrides))
         return int(args.func(args))
     except (ModelNotFound, UnsupportedModel, CheckpointError, ValueError) as e:
         print(f"longctx: error: {e}", file=sys.stderr)

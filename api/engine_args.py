@@ -46,6 +46,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued", type=int, default=256, help="requests queued before new ones are refused")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument(
+        "--hf-overrides", default=None, metavar="JSON",
+        help='config values merged in before loading, e.g. \'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+        '"original_max_position_embeddings": 8192}, "max_position_embeddings": 32768}\'',
+    )  # fmt: skip
+    p.add_argument(
+        "--chat-template", default=None, metavar="FILE|chatml|none",
+        help="a Jinja chat template file, the built-in chatml, or none (chat requests refused); default: the "
+        "checkpoint's, or chatml with a warning when it has none",
+    )  # fmt: skip
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_paged", "flashinfer"])
     p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0 = torch's default, or cores/N)")
     p.add_argument("--host-cache-bytes", type=parse_bytes, default=0, help="host KV tier budget (0 = none)")

@@ -81,7 +81,11 @@ def load_model(args: argparse.Namespace, before_tokenizer: Any = None) -> Any:
         import torch
 
         torch.set_num_threads(args.threads)
+    from engine.loading.overrides import parse_overrides
+
     return load(
         args.model, args.dtype, args.device, progress=False, quantization=args.quantization,
         group_size=args.group_size, before_tokenizer=before_tokenizer,
+        hf_overrides=parse_overrides(getattr(args, "hf_overrides", None)),
+        chat_template=getattr(args, "chat_template", None),
     )  # fmt: skip

@@ -44,6 +44,7 @@ log = logging.getLogger("longctx.serve")
 register("InvalidParam", ErrorSpec(400))
 register("ContextLengthExceeded", ErrorSpec(400, code="context_length_exceeded"))
 register("InvalidRequest", ErrorSpec(400))
+register("NoChatTemplate", ErrorSpec(400, code="no_chat_template"))
 register("RequestInProgress", ErrorSpec(409, code="request_in_progress"))
 
 
@@ -151,7 +152,7 @@ def setup(state: ServerState) -> None:
         tok = state.loaded.tokenizer
         fmt = detect_format(tok) if o.tool_call_format == "auto" else resolve_format(o.tool_call_format)
         name = o.served_model_name or state.loaded.source.name
-        config = ServiceConfig(model=name, max_output_tokens=o.max_output_tokens)
+        config = ServiceConfig(model=name, max_output_tokens=o.max_output_tokens, hosted_tools=o.hosted_tools)  # type: ignore[arg-type]
         svc = state.extras["sessions"] = SessionService(state.engine, store, tok, state.grammar, fmt, config)
         svc.waiting = tenant_queue(state)  # foreground responses count as their tenant's waiting requests
         if o.background_workers:

@@ -69,7 +69,7 @@ class Deleted(msgspec.Struct, kw_only=True):
 
 
 class Compacted(msgspec.Struct, kw_only=True):
-    """`POST /v1/responses/compact`: a compaction item (when anything was summarised) and the kept items."""
+    """`POST /v1/responses/compact`: a compaction item (always first) and the kept items."""
 
     id: str
     object: Literal["response.compaction"] = "response.compaction"

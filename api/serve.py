@@ -282,6 +282,7 @@ def run(
         served_model_name=args.served_model_name or "",
         tool_call_format=args.tool_call_format,
         shutdown_grace_s=getattr(args, "shutdown_grace_s", 10),
+        hosted_tools=getattr(args, "hosted_tools", "ignore"),
     )
     state = ServerState(options)
     try:

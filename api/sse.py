@@ -68,9 +68,19 @@ async def sse_bytes(events: AsyncIterable[Any], keepalive_s: float = KEEPALIVE_S
             await aclose()
 
 
+class EventStream(Stream):
+    """A `Stream` that keeps its own `text/event-stream` type. Litestar passes the handler's media
+    type (JSON for a handler annotated with a Struct) to `to_asgi_response`, and a passed type wins
+    over the response's own, so a streamed reply went out as `application/json`."""
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["media_type"] = self.media_type
+        return super().to_asgi_response(*args, **kwargs)
+
+
 def sse_response(events: AsyncIterable[Any], keepalive_s: float = KEEPALIVE_S, status_code: int = 200) -> Stream:
     """A Litestar response streaming `events` as `text/event-stream`."""
-    return Stream(
+    return EventStream(
         sse_bytes(events, keepalive_s),
         media_type="text/event-stream",
         headers=HEADERS,

@@ -42,6 +42,7 @@ class ServeOptions:
         served_model_name: the `model` the server answers to and reports.
         tool_call_format: `auto` (from the chat template) or a format name (`tools.formats`).
         shutdown_grace_s: on SIGTERM, how long streams and background jobs may take to finish.
+        hosted_tools: `--hosted-tools` (`sessions.config.ServiceConfig`).
     """
 
     redis_url: str
@@ -52,6 +53,7 @@ class ServeOptions:
     served_model_name: str = ""
     tool_call_format: str = "auto"
     shutdown_grace_s: float = 10.0
+    hosted_tools: str = "ignore"
 
     def __post_init__(self) -> None:
         if not self.redis_prefix or any(c.isspace() for c in self.redis_prefix):

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from sessions.errors import InvalidParam
-from sessions.items import Compaction, FunctionCallOutput, Item, Message
+from sessions.items import CallOutput, Compaction, Item, Message
 
 SUMMARY_PROMPT = (
     "Summarise the conversation above for your own later use: the user's goals, the facts, names and "
@@ -157,7 +157,7 @@ def shorten(items: Sequence[Item], end: int, keep: int = KEEP_CHARS, only: set[s
     out = list(items)
     for i in range(min(end, len(out))):
         it = out[i]
-        if isinstance(it, FunctionCallOutput) and (only is None or it.id in only):
+        if isinstance(it, CallOutput) and (only is None or it.id in only):
             text = shortened(it.output, keep)
             if text is not None:
                 out[i] = msgspec.structs.replace(it, output=text)
@@ -169,7 +169,7 @@ def shortened_in(text: str, items: Sequence[Item], keep: int = KEEP_CHARS) -> se
     previous turn's prompt) while their whole output does not."""
     found = set()
     for it in items:
-        if isinstance(it, FunctionCallOutput):
+        if isinstance(it, CallOutput):
             short = shortened(it.output, keep)
             if short is not None and short in text and it.output not in text:
                 found.add(it.id)

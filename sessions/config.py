@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -44,14 +45,19 @@ class ServiceConfig:
     max_output_tokens: the cap of a response's output (`--max-output-tokens`); the default
         is min(context left, KV capacity left, this cap); an explicit value above it is a 400.
     lease_renew_s: how often a running turn renews its conversation's lease.
+    hosted_tools: what a hosted tool (`web_search`, ...) gets (`--hosted-tools`): `ignore` (not
+        offered to the model, echoed in the response) or `reject` (400 naming `tools[i].type`).
     """
 
     model: str = "longctx"
     max_output_tokens: int = 4096
     lease_renew_s: float = 10.0
+    hosted_tools: Literal["ignore", "reject"] = "ignore"
 
     def __post_init__(self) -> None:
         if self.max_output_tokens < 1:
             raise ValueError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
+        if self.hosted_tools not in ("ignore", "reject"):
+            raise ValueError(f"hosted_tools must be ignore or reject, got {self.hosted_tools!r}")
         if self.lease_renew_s <= 0:
             raise ValueError(f"lease_renew_s must be > 0, got {self.lease_renew_s}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from sessions.items import FunctionCall, FunctionCallOutput, Item
+from sessions.items import Call, CallOutput, CustomToolCall, Item
 from sessions.requests import InvalidParam, ResponseRequest
 from sessions.store import SessionStore
 
@@ -60,24 +60,26 @@ def check_ids(history: Sequence[Item], input_items: Sequence[Item]) -> None:
 
 
 def check_backfill(history: Sequence[Item], input_items: Sequence[Item]) -> None:
-    """Each `function_call_output` of the input must answer a `function_call` that comes before it
-    (in the history or earlier in the input) and that no output answered yet.
+    """Each `function_call_output` (`custom_tool_call_output`) of the input must answer a
+    `function_call` (`custom_tool_call`) that comes before it (in the history or earlier in the
+    input) and that no output answered yet.
 
     Raises:
         InvalidParam: naming `input[i].call_id`.
     """
-    open_calls: set[str] = set()
+    open_calls: dict[str, str] = {}  # call_id: the call's item type
     answered: set[str] = set()
 
     def see(item: Item) -> str | None:
-        if isinstance(item, FunctionCall):
-            open_calls.add(item.call_id)
-        elif isinstance(item, FunctionCallOutput):
+        if isinstance(item, Call):
+            open_calls[item.call_id] = _kind(item)
+        elif isinstance(item, CallOutput):
+            kind = "custom_tool_call" if item.__struct_config__.tag == "custom_tool_call_output" else "function_call"
             if item.call_id in answered:
                 return f"call {item.call_id!r} has already been answered"
-            if item.call_id not in open_calls:
-                return f"no function_call with call_id {item.call_id!r} precedes this output"
-            open_calls.discard(item.call_id)
+            if open_calls.get(item.call_id) != kind:
+                return f"no {kind} with call_id {item.call_id!r} precedes this output"
+            open_calls.pop(item.call_id)
             answered.add(item.call_id)
         return None
 
@@ -87,6 +89,10 @@ def check_backfill(history: Sequence[Item], input_items: Sequence[Item]) -> None
         problem = see(item)
         if problem is not None:
             raise InvalidParam(f"input[{i}].call_id", problem)
+
+
+def _kind(call: Call) -> str:
+    return "custom_tool_call" if isinstance(call, CustomToolCall) else "function_call"
 
 
 def _joined(prompt: list[int] | None, output: list[int] | None) -> list[int] | None:

@@ -99,6 +99,12 @@ class EventWriter:
             "response.function_call_arguments.done", item_id=item_id, output_index=index, name=name, arguments=arguments
         )
 
+    async def custom_input_delta(self, index: int, item_id: str, delta: str) -> None:
+        await self.emit("response.custom_tool_call_input.delta", item_id=item_id, output_index=index, delta=delta)
+
+    async def custom_input_done(self, index: int, item_id: str, text: str) -> None:
+        await self.emit("response.custom_tool_call_input.done", item_id=item_id, output_index=index, input=text)
+
     async def terminal(self, response: Response) -> Event:
         """The one last event, named after the response's final status."""
         return await self.snapshot(TERMINAL_EVENTS[response.status], response)

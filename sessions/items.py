@@ -2,11 +2,13 @@
 what Redis holds (an item's Redis value is exactly its wire JSON, so what a client reads back is
 what was written).
 
-An item is one of five msgspec Structs, tagged by `type`:
+An item is one of seven msgspec Structs, tagged by `type`:
 
     message               id, role (system|developer|user|assistant), content, status, phase?
-    function_call         id (fc_…), call_id, name, arguments (a JSON string), status
+    function_call         id (fc_…), call_id, name, arguments (a JSON string), status, namespace?
     function_call_output  id, call_id, output (a string), status
+    custom_tool_call      id (ctc_…), call_id, name, input (free text), status, namespace?
+    custom_tool_call_output  id, call_id, output (a string), status
     reasoning             id, summary (summary_text parts), content (reasoning_text parts)
     compaction            id, encrypted_content (our signed summary)
 
@@ -85,8 +87,34 @@ class Message(msgspec.Struct, tag="message", tag_field="type", kw_only=True):
 class FunctionCall(msgspec.Struct, tag="function_call", tag_field="type", kw_only=True):
     id: str
     call_id: str
-    name: str
+    name: str  # within its namespace, when it has one
     arguments: str  # JSON text, as the model wrote it
+    status: ItemStatus = "completed"
+    namespace: str | UnsetType = UNSET  # the namespace tool it belongs to (omitted when none)
+
+    @property
+    def qualified_name(self) -> str:
+        """The name the model called it by: `namespace.name` inside a namespace."""
+        return f"{self.namespace}.{self.name}" if isinstance(self.namespace, str) else self.name
+
+
+class CustomToolCall(msgspec.Struct, tag="custom_tool_call", tag_field="type", kw_only=True):
+    id: str
+    call_id: str
+    name: str
+    input: str  # free text, as the model wrote it
+    status: ItemStatus = "completed"
+    namespace: str | UnsetType = UNSET
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.namespace}.{self.name}" if isinstance(self.namespace, str) else self.name
+
+
+class CustomToolCallOutput(msgspec.Struct, tag="custom_tool_call_output", tag_field="type", kw_only=True):
+    id: str
+    call_id: str
+    output: str
     status: ItemStatus = "completed"
 
 
@@ -109,12 +137,16 @@ class Compaction(msgspec.Struct, tag="compaction", tag_field="type", kw_only=Tru
     encrypted_content: str
 
 
-Item = Message | FunctionCall | FunctionCallOutput | Reasoning | Compaction
+Item = Message | FunctionCall | FunctionCallOutput | CustomToolCall | CustomToolCallOutput | Reasoning | Compaction
+Call = FunctionCall | CustomToolCall
+CallOutput = FunctionCallOutput | CustomToolCallOutput
 
 ID_KINDS: dict[str, str] = {
     "message": "msg",
     "function_call": "fc",
     "function_call_output": "fco",
+    "custom_tool_call": "ctc",
+    "custom_tool_call_output": "ctco",
     "reasoning": "rs",
     "compaction": "cmp",
 }
@@ -212,7 +244,9 @@ def parse_item(raw: Any, param: str = "item") -> Item:
                 raise InvalidItem(
                     f"content part type {t!r} is not supported; only text is", f"{param}.content[{j}].type"
                 )
-    if kind == "function_call_output" and isinstance(d.get("output"), list):
+    if isinstance(kind, str) and kind not in ID_KINDS:
+        raise InvalidItem(f"unknown item type {kind!r}; supported: {', '.join(ID_KINDS)}", f"{param}.type")
+    if kind in ("function_call_output", "custom_tool_call_output") and isinstance(d.get("output"), list):
         d["output"] = "".join(p.get("text", "") for p in d["output"] if isinstance(p, dict))
     if isinstance(kind, str) and kind in ID_KINDS and "id" not in d:
         d["id"] = new_id(ID_KINDS[kind])

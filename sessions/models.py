@@ -178,8 +178,8 @@ class Response(msgspec.Struct, kw_only=True):
     top_logprobs: int = 0
     max_output_tokens: int | None = None
     max_tool_calls: int | None = None
-    tools: list[FunctionTool] = []
-    tool_choice: ToolChoice = "auto"
+    tools: list[dict[str, Any]] = []  # as `sessions.request_tools.parse_tools` echoes them
+    tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     text: TextConfig = msgspec.field(default_factory=TextConfig)
     truncation: Literal["auto", "disabled"] = "disabled"
@@ -192,6 +192,7 @@ class Response(msgspec.Struct, kw_only=True):
     service_tier: str = "default"
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
 
     @property
     def terminal(self) -> bool:

@@ -3,8 +3,10 @@
 Text goes through two readers: `ReasoningSplitter` takes out `<think>` reasoning (a `reasoning`
 item), then `tools.calls.ToolCallParser` (when tools are declared) tells answer text from calls.
 Answer text becomes one `message` item per stretch of text, opened only once it holds more than
-whitespace (a calls-only reply has no message item); each call is a `function_call` item. Item
-text is kept exactly as the model wrote it, so the next turn renders what the model saw.
+whitespace (a calls-only reply has no message item); each call is a `function_call` item, or a
+`custom_tool_call` for a custom tool (its input streamed as `response.custom_tool_call_input.*`),
+with `name` and `namespace` split apart for a namespace's tool as OpenAI's output carries them.
+Item text is kept exactly as the model wrote it, so the next turn renders what the model saw.
 """
 
 from __future__ import annotations
@@ -13,18 +15,30 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
+from msgspec import UNSET
+
 from sessions.events import EventWriter
 from sessions.ids import new_id
-from sessions.items import FunctionCall, Item, ItemStatus, Message, OutputText, Reasoning, ReasoningText
+from sessions.items import (
+    CustomToolCall,
+    FunctionCall,
+    Item,
+    ItemStatus,
+    Message,
+    OutputText,
+    Reasoning,
+    ReasoningText,
+)
 from sessions.reasoning import ReasoningSplitter
 from tools.calls import ArgumentsDelta, CallDone, CallStarted, TextDelta, ToolCallParser
+from tools.schema import ToolSpec
 
 log = logging.getLogger("longctx.sessions")
 
 
 @dataclass(slots=True)
 class _Open:
-    kind: Literal["message", "reasoning", "function_call"]
+    kind: Literal["message", "reasoning", "function_call", "custom_tool_call"]
     index: int
     id: str
     text: list[str] = field(default_factory=list)
@@ -42,6 +56,7 @@ class OutputAssembler:
 
     def __init__(self, writer: EventWriter, parser: ToolCallParser | None, splitter: ReasoningSplitter):
         self.writer, self.parser, self.splitter = writer, parser, splitter
+        self.tools: dict[str, ToolSpec] = (parser.tools or {}) if parser is not None else {}
         self.items: list[Item] = []
         self._open: _Open | None = None
         self._pending = ""  # whitespace not yet known to open a message
@@ -101,14 +116,21 @@ class OutputAssembler:
         elif isinstance(event, CallStarted):
             await self._close("completed")
             self._pending = ""
-            o = self._open = _Open("function_call", len(self.items), new_id("fc"), call_id=event.id, name=event.name)
-            call = FunctionCall(id=o.id, call_id=o.call_id, name=o.name, arguments="", status="in_progress")
-            self.items.append(call)
-            await w.item_added(o.index, call)
+            tool = self.tools.get(event.name)
+            kind: Literal["function_call", "custom_tool_call"] = (
+                "custom_tool_call" if tool is not None and tool.kind == "custom" else "function_call"
+            )
+            o = self._open = _Open(kind, len(self.items), new_id("ctc" if kind == "custom_tool_call" else "fc"),
+                                   call_id=event.id, name=event.name)  # fmt: skip
+            self.items.append(self._call(o, "", "in_progress"))
+            await w.item_added(o.index, self.items[-1])
         elif isinstance(event, ArgumentsDelta):
-            assert self._open is not None and self._open.kind == "function_call"
+            assert self._open is not None and self._open.kind in ("function_call", "custom_tool_call")
             self._open.text.append(event.delta)
-            await w.arguments_delta(self._open.index, self._open.id, event.delta)
+            if self._open.kind == "custom_tool_call":
+                await w.custom_input_delta(self._open.index, self._open.id, event.delta)
+            else:
+                await w.arguments_delta(self._open.index, self._open.id, event.delta)
         else:
             if event.error is not None:
                 log.warning("tool call %s: %s", event.name, event.error)
@@ -129,7 +151,19 @@ class OutputAssembler:
             item = Reasoning(id=o.id, content=[ReasoningText(text=text)])
         else:
             args = text if arguments is None else arguments
-            await w.arguments_done(o.index, o.id, o.name, args)
-            item = FunctionCall(id=o.id, call_id=o.call_id, name=o.name, arguments=args, status=status)
+            item = self._call(o, args, status)
+            if o.kind == "custom_tool_call":
+                await w.custom_input_done(o.index, o.id, args)
+            else:
+                await w.arguments_done(o.index, o.id, item.name, args)  # type: ignore[union-attr]
         self.items[o.index] = item
         await w.item_done(o.index, item)
+
+    def _call(self, o: _Open, text: str, status: ItemStatus) -> FunctionCall | CustomToolCall:
+        """The call item of `o`: a namespace's tool as its own name and the namespace."""
+        tool = self.tools.get(o.name)
+        namespace = tool.namespace if tool is not None and tool.namespace else UNSET
+        name = tool.local_name if tool is not None else o.name
+        if o.kind == "custom_tool_call":
+            return CustomToolCall(id=o.id, call_id=o.call_id, name=name, input=text, status=status, namespace=namespace)
+        return FunctionCall(id=o.id, call_id=o.call_id, name=name, arguments=text, status=status, namespace=namespace)

@@ -158,7 +158,8 @@ class PromptFitter:
 
     async def compact(self, tenant: str, req: ResponseRequest, ctx: TurnContext) -> dict[str, Any]:
         """`POST /v1/responses/compact`: the context as a compaction item (summarising what is
-        older than the second-last user message) followed by the items kept verbatim."""
+        older than the second-last user message; empty when nothing is) followed by the items
+        kept verbatim."""
         everything = [*ctx.history, *req.input_items]
         secret = await self.store.compaction_secret()
         summary, items = view(everything, payloads(secret, ctx.history, req.input_items))
@@ -167,9 +168,10 @@ class PromptFitter:
         if b > 0:
             summary, counts = await self.summarise(tenant, new_id("cmp"), summary, shorten(items, b)[:b])
             items = items[b:]
-        output: list[Item] = list(items)
-        if summary is not None:
-            output.insert(0, Compaction(id=new_id("cmp"), encrypted_content=sign(secret, Payload(summary, None))))
+        # Always a compaction item first (an empty summary when nothing was old enough to
+        # summarise), so that a client's next turn starts a new chain from it.
+        made = Compaction(id=new_id("cmp"), encrypted_content=sign(secret, Payload(summary or "", None)))
+        output: list[Item] = [made, *items]
         usage = {
             "input_tokens": counts[0], "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": counts[1], "output_tokens_details": {"reasoning_tokens": 0},

@@ -1,7 +1,8 @@
 """A turn's context to prompt token ids, reusing the previous turn's ids.
 
-Items become Chat messages (`to_messages`): a `function_call` joins the assistant message before
-it as a `tool_calls` entry, a `function_call_output` is a `tool` turn, a `reasoning` item is the
+Items become Chat messages (`to_messages`): a `function_call` (or `custom_tool_call`) joins the
+assistant message before it as a `tool_calls` entry (under its namespace-qualified name), a
+`function_call_output` (`custom_tool_call_output`) is a `tool` turn, a `reasoning` item is the
 next assistant message's `reasoning_content` (Qwen3's templates read it), `instructions` are a
 leading developer message. `tools.prompt` then normalises them and renders them with the chat
 template (Hermes style for templates that ignore tools), here as text.
@@ -23,8 +24,17 @@ from typing import Any, NamedTuple
 
 from engine.loading.tokenizer import Tokenizer
 from sessions.errors import InvalidParam
-from sessions.items import Compaction, FunctionCall, FunctionCallOutput, Item, Message, Reasoning, text_of
-from tools.prompt import hermes_messages, normalize_messages
+from sessions.items import (
+    CallOutput,
+    Compaction,
+    CustomToolCall,
+    FunctionCall,
+    Item,
+    Message,
+    Reasoning,
+    text_of,
+)
+from tools.prompt import hermes_messages, inline_custom, normalize_messages
 from tools.schema import ToolSpec
 
 log = logging.getLogger("longctx.sessions")
@@ -51,9 +61,17 @@ def to_messages(items: Sequence[Item], instructions: str | None = None) -> list[
             if item.role == "assistant" and reasoning:
                 msg["reasoning_content"], reasoning = "\n".join(reasoning), []
             out.append(msg)
-        elif isinstance(item, FunctionCall):
-            fn = {"name": item.name, "arguments": item.arguments}
-            call = {"id": item.call_id, "type": "function", "function": fn}
+        elif isinstance(item, FunctionCall | CustomToolCall):
+            call: dict[str, Any]
+            if isinstance(item, FunctionCall):  # a namespace's tool by the name the model called it by
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.qualified_name, "arguments": item.arguments}}  # fmt: skip
+            else:
+                call = {
+                    "id": item.call_id,
+                    "type": "custom",
+                    "custom": {"name": item.qualified_name, "input": item.input},
+                }
             if last is not None and last["role"] == "assistant":  # the reply's text, then its calls
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -61,7 +79,7 @@ def to_messages(items: Sequence[Item], instructions: str | None = None) -> list[
                 if reasoning:
                     msg["reasoning_content"], reasoning = "\n".join(reasoning), []
                 out.append(msg)
-        elif isinstance(item, FunctionCallOutput):
+        elif isinstance(item, CallOutput):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
         elif isinstance(item, Reasoning):
             reasoning.append("".join(p.text for p in item.content) or "".join(p.text for p in item.summary))
@@ -83,6 +101,7 @@ def render_text(
     Args:
         thinking: the template's `enable_thinking` switch (Qwen3); templates without it ignore it.
     """
+    tokenizer.check_chat()
     msgs = normalize_messages(messages)
     if not msgs:
         raise InvalidParam("input", "the context holds no message to answer (reasoning items alone render nothing)")
@@ -90,7 +109,8 @@ def render_text(
     if not thinking:
         kwargs["enable_thinking"] = False
     if tokenizer.renders_tools:
-        text = tokenizer.hf.apply_chat_template(msgs, tools=[t.openai() for t in tools] or None, **kwargs)
+        text = tokenizer.hf.apply_chat_template(inline_custom(msgs, tools), tools=[t.openai() for t in tools] or None,
+                                                **kwargs)  # fmt: skip
     else:
         text = tokenizer.hf.apply_chat_template(hermes_messages(msgs, tools), **kwargs)
     return str(text)

@@ -1,8 +1,9 @@
 """The tool and output-format fields of `POST /v1/responses`, checked in the Responses API's flat
-shapes: `tools` (function tools only; OpenAI's hosted tool types are named as unsupported),
-`tool_choice` (none, auto, required, or `{"type": "function", "name"}`; Chat's nested shape is
-read too) and `text` (`format`: text, json_object, or json_schema with its schema). Failures are
-`InvalidParam` naming the field's path.
+shapes and normalised into what a response echoes: `tools` (function, custom and namespace tools
+as `tools.schema.parse_tools` reads them; hosted tools echoed as sent, whatever the server's
+`--hosted-tools` policy does with them), `tool_choice` (none, auto, required, a function or custom
+tool, `allowed_tools`; Chat's nested shape is read too) and `text` (`format`: text, json_object,
+or json_schema with its schema; `verbosity`). Failures are `InvalidParam` naming the field's path.
 """
 
 from __future__ import annotations
@@ -10,79 +11,48 @@ from __future__ import annotations
 from typing import Any
 
 from sessions.errors import InvalidParam
-from sessions.models import (
-    FunctionTool,
-    JsonObjectFormat,
-    JsonSchemaFormat,
-    TextConfig,
-    TextFormat,
-    TextFormatText,
-    ToolChoice,
-    ToolChoiceFunction,
-)
-
-# Tool types of OpenAI's hosted tools: named in the error, since only function tools run here.
-HOSTED_TOOLS = frozenset({
-    "web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11", "file_search",
-    "mcp", "code_interpreter", "computer_use_preview", "computer_use", "image_generation", "local_shell",
-    "shell", "apply_patch", "custom",
-})  # fmt: skip
+from sessions.models import JsonObjectFormat, JsonSchemaFormat, TextConfig, TextFormat, TextFormatText
+from tools.constraints import parse_tool_choice as check_tool_choice
+from tools.schema import HOSTED_TOOLS, InvalidRequest, ToolSpec
+from tools.schema import parse_tools as tool_specs
 
 
-def parse_tools(raw: list[Any]) -> list[FunctionTool]:
-    tools: list[FunctionTool] = []
-    seen: set[str] = set()
-    for i, t in enumerate(raw):
-        at = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise InvalidParam(at, "a tool must be an object")
+def parse_tools(raw: list[Any]) -> tuple[list[dict[str, Any]], list[ToolSpec]]:
+    """The echo of `tools` (each definition checked, normalised with every field present) and
+    the tools the model may be offered (hosted ones left out)."""
+    try:
+        specs = tool_specs(raw, hosted="ignore")
+    except InvalidRequest as e:
+        raise InvalidParam(e.param, str(e).removeprefix(f"{e.param}: ")) from None
+    by_param = iter(specs)
+    echoed: list[dict[str, Any]] = []
+    for t in raw:
         kind = t.get("type", "function")
         if kind in HOSTED_TOOLS:
-            raise InvalidParam(f"{at}.type", f"tool type {kind!r} is not supported: function tools only")
-        if kind != "function":
-            raise InvalidParam(f"{at}.type", f"unknown tool type {kind!r}; only function tools are supported")
-        fn = t["function"] if isinstance(t.get("function"), dict) else t  # the Chat shape, leniently
-        name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidParam(f"{at}.name", "a function tool needs its name")
-        if name in seen:
-            raise InvalidParam(f"{at}.name", f"duplicate tool name {name!r}")
-        seen.add(name)
-        params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise InvalidParam(f"{at}.parameters", "expected a JSON Schema object")
-        strict = fn.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise InvalidParam(f"{at}.strict", f"expected true, false or null, got {strict!r}")
-        desc = fn.get("description")
-        tools.append(FunctionTool(name=name, description=desc if isinstance(desc, str) else None,
-                                  parameters=params, strict=strict))  # fmt: skip
-    return tools
+            echoed.append(dict(t))
+        elif kind == "namespace":
+            inner = [next(by_param).responses() for _ in t["tools"]]
+            echoed.append({"type": "namespace", "name": t["name"], "description": t.get("description"), "tools": inner})
+        else:
+            echoed.append(next(by_param).responses())
+    return echoed, specs
 
 
-def parse_tool_choice(raw: Any, tools: list[FunctionTool]) -> ToolChoice:
+def parse_tool_choice(raw: Any, tools: list[ToolSpec]) -> str | dict[str, Any]:
+    """The echo of `tool_choice` (missing: auto), checked against the declared tools."""
     if raw is None:
         return "auto"
-    if raw in ("none", "auto"):
-        return raw  # type: ignore[no-any-return]
-    if raw == "required":
-        if not tools:
-            raise InvalidParam("tool_choice", "'required' needs tools, but the request declares none")
-        return "required"
-    if isinstance(raw, dict) and raw.get("type") == "function":
-        fn = raw.get("function")
-        if isinstance(fn, dict):
-            name, at = fn.get("name"), "tool_choice.function.name"
-        else:
-            name, at = raw.get("name"), "tool_choice.name"
-        if not isinstance(name, str):
-            raise InvalidParam(at, "expected the function's name")
-        if name not in {t.name for t in tools}:
-            raise InvalidParam(at, f"function {name!r} is not among the declared tools")
-        return ToolChoiceFunction(name=name)
     if isinstance(raw, dict) and raw.get("type") in HOSTED_TOOLS:
-        raise InvalidParam("tool_choice.type", f"tool type {raw['type']!r} is not supported: function tools only")
-    raise InvalidParam("tool_choice", f"expected none, auto, required or a function, got {raw!r}")
+        raise InvalidParam("tool_choice.type", f"hosted tool type {raw['type']!r} cannot run on this server")
+    try:
+        check_tool_choice(raw, tools)
+    except InvalidRequest as e:
+        raise InvalidParam(e.param, str(e).removeprefix(f"{e.param}: ")) from None
+    if isinstance(raw, str):
+        return raw
+    if raw.get("type") == "function" and isinstance(raw.get("function"), dict):  # Chat's nested shape
+        return {"type": "function", "name": raw["function"].get("name")}
+    return dict(raw)
 
 
 def parse_text(raw: dict[str, Any] | None) -> TextConfig:

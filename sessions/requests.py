@@ -23,13 +23,11 @@ from sessions.errors import InvalidParam
 from sessions.items import InvalidItem, Item, parse_input
 from sessions.models import (
     ConversationRef,
-    FunctionTool,
     JsonObjectFormat,
     JsonSchemaFormat,
     ReasoningConfig,
     Response,
     TextConfig,
-    ToolChoice,
 )
 from sessions.request_tools import parse_text, parse_tool_choice, parse_tools
 
@@ -61,6 +59,8 @@ class CreateResponseBody(msgspec.Struct, kw_only=True):
     context_management: list[dict[str, Any]] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    client_metadata: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     reasoning: ReasoningConfig | None = None
     include: list[str] | None = None
@@ -77,8 +77,8 @@ class ResponseRequest:
 
     body: CreateResponseBody
     input_items: list[Item]
-    tools: list[FunctionTool] = field(default_factory=list)
-    tool_choice: ToolChoice = "auto"
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
     text: TextConfig = field(default_factory=TextConfig)
     conversation_id: str | None = None
 
@@ -136,6 +136,7 @@ class ResponseRequest:
             service_tier=b.service_tier or "default",
             safety_identifier=b.safety_identifier,
             prompt_cache_key=b.prompt_cache_key,
+            prompt_cache_retention=b.prompt_cache_retention,
         )
 
 
@@ -176,8 +177,8 @@ def check(body: CreateResponseBody) -> ResponseRequest:
         raise InvalidParam(e.param, e.message) from None
     if not items and body.previous_response_id is None and body.conversation is None:
         raise InvalidParam("input", "input is required (a string or a list of items)")
-    tools = parse_tools(body.tools or [])
-    choice = parse_tool_choice(body.tool_choice, tools)
+    tools, specs = parse_tools(body.tools or [])
+    choice = parse_tool_choice(body.tool_choice, specs)
     text = parse_text(body.text)
     conv = body.conversation
     conv_id = conv if isinstance(conv, str) else conv.id if conv is not None else None
@@ -201,6 +202,12 @@ def _check_sampling(b: CreateResponseBody) -> None:
     if b.top_logprobs is not None and not 0 <= b.top_logprobs <= 20:
         raise InvalidParam("top_logprobs", f"must be in [0, 20], got {b.top_logprobs}")
     check_metadata(b.metadata)
+    if b.max_tool_calls is not None and b.max_tool_calls < 1:
+        raise InvalidParam("max_tool_calls", f"must be >= 1, got {b.max_tool_calls}")
+    if b.prompt_cache_retention not in (None, "in_memory", "in-memory", "24h"):
+        raise InvalidParam("prompt_cache_retention", f"expected in_memory or 24h, got {b.prompt_cache_retention!r}")
+    if b.client_metadata is not None and not all(isinstance(v, str) for v in b.client_metadata.values()):
+        raise InvalidParam("client_metadata", "expected an object of string values")
 
 
 def check_metadata(metadata: Any) -> dict[str, str]:

@@ -43,7 +43,7 @@ from tools.calls import ToolCallParser
 from tools.constraints import parse_output_format
 from tools.formats import ToolCallFormat, needs_special_tokens
 from tools.grammar import GrammarCompiler
-from tools.schema import ToolSpec, parse_tools
+from tools.schema import HOSTED_TOOLS, ToolSpec, parse_tools
 
 log = logging.getLogger("longctx.sessions")
 
@@ -72,6 +72,7 @@ class SessionService:
         # a call marker that is a special token (Mistral's) must reach the call parser
         self.keep_special = needs_special_tokens(tool_format, tokenizer)
         self.running: dict[str, Turn] = {}
+        self._hosted_seen: set[str] = set()
         self.conversations = ConversationAPI(store)
         self.fitter = PromptFitter(engine, store, tokenizer)
 
@@ -233,10 +234,17 @@ class SessionService:
     # ---- the checks ----
 
     def _tools(self, req: ResponseRequest) -> list[ToolSpec]:
+        """The tools the model is offered; hosted ones by `--hosted-tools` (ignored: logged once a type)."""
         try:
-            return parse_tools(req.body.tools or [])
+            specs = parse_tools(req.body.tools or [], hosted=self.config.hosted_tools)
         except ValueError as e:
             raise InvalidParam(_param(e, req, "tools"), str(e)) from None
+        for t in req.tools:
+            kind = t.get("type")
+            if kind in HOSTED_TOOLS and kind not in self._hosted_seen:
+                self._hosted_seen.add(kind)
+                log.info("hosted tool type %r is not offered to the model (--hosted-tools ignore)", kind)
+        return specs
 
     def _grammar(self, req: ResponseRequest, specs: list[ToolSpec]) -> Any:
         tools = specs if req.tool_choice != "none" else []
@@ -246,7 +254,7 @@ class SessionService:
         try:
             return self.compiler.for_request(
                 parse_output_format(fmt, "text.format"), tools, req.body.tool_choice,
-                req.body.parallel_tool_calls is not False, self.tool_format,
+                req.body.parallel_tool_calls is not False and req.body.max_tool_calls != 1, self.tool_format,
             )  # fmt: skip
         except ValueError as e:
             raise InvalidParam(_param(e, req, "text.format" if fmt else "tools"), str(e)) from None
@@ -345,7 +353,7 @@ def _param(e: Exception, req: ResponseRequest, default: str) -> str:
         param = param.replace("].function.", "].", 1).replace("].function", "]", 1)
         return param.replace("response_format.json_schema", "text.format").replace("response_format", "text.format")
     for i, t in enumerate(req.tools):
-        if f"'{t.name}'" in str(e):
+        if f"'{t.get('name')}'" in str(e):
             return f"tools[{i}].parameters"
     return default
 

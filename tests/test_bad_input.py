@@ -6,7 +6,10 @@ module: demo model, two tenants, a small body limit, context and output cap.
 
 from __future__ import annotations
 
+import json
 import re
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,7 @@ KEYS = "key-a tenant-a\nkey-b tenant-b\n"
 ARGS = (
     "--threads", "2", "--kv-cache-bytes", "64MiB", "--background-workers", "0", "--served-model-name", "demo",
     "--max-model-len", "1024", "--max-body-bytes", "16KiB", "--max-output-tokens", "4", "--kv-redis-url", "none",
+    "--hosted-tools", "reject",
 )  # fmt: skip
 COUNTERS = (":fence",)  # keys that change legitimately on a refused request (a lease's fence)
 LONG = "word " * 1500  # about 1500 tokens: more than --max-model-len, less than the body limit
@@ -109,12 +113,34 @@ CASES: list[tuple[str, str, str, Any, str | None, int, str | None, tuple[str, ..
     ("too many output tokens", "POST", "/v1/responses", {"model": "demo", "input": "x", "max_output_tokens": 99},
      "key-a", 400, "max_output_tokens", ("4",)),
     ("web_search", "POST", "/v1/responses", {"model": "demo", "input": "x", "tools": [{"type": "web_search"}]},
-     "key-a", 400, "tools[0].type", ("web_search", "not supported")),
+     "key-a", 400, "tools[0].type", ("web_search", "cannot run")),
     ("file_search", "POST", "/v1/responses",
      {"model": "demo", "input": "x", "tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "key-a", 400,
-     "tools[0].type", ("file_search", "not supported")),
+     "tools[0].type", ("file_search", "cannot run")),
     ("mcp", "POST", "/v1/responses", {"model": "demo", "input": "x", "tools": [{"type": "mcp", "server_label": "s"}]},
-     "key-a", 400, "tools[0].type", ("mcp", "not supported")),
+     "key-a", 400, "tools[0].type", ("mcp", "cannot run")),
+    ("unknown tool type", "POST", "/v1/responses", {"model": "demo", "input": "x", "tools": [{"type": "oracle"}]},
+     "key-a", 400, "tools[0].type", ("oracle", "unknown tool type")),
+    ("namespace without tools", "POST", "/v1/responses",
+     {"model": "demo", "input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": []}]}, "key-a", 400,
+     "tools[0].tools", ()),
+    ("hosted tool in a namespace", "POST", "/v1/responses",
+     {"model": "demo", "input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
+     "key-a", 400, "tools[0].tools[0].type", ()),
+    ("custom tool bad lark", "POST", "/v1/responses",
+     {"model": "demo", "input": "x", "tools": [{"type": "custom", "name": "c", "format": {
+         "type": "grammar", "syntax": "lark", "definition": "start: ("}}]}, "key-a", 400,
+     "tools[0].format.definition", ("lark",)),
+    ("custom tool bad syntax", "POST", "/v1/responses",
+     {"model": "demo", "input": "x", "tools": [{"type": "custom", "name": "c", "format": {
+         "type": "grammar", "syntax": "peg", "definition": "x"}}]}, "key-a", 400, "tools[0].format.syntax", ()),
+    ("unknown item type", "POST", "/v1/responses", {"model": "demo", "input": [{"type": "hologram"}]}, "key-a", 400,
+     "input[0].type", ("hologram",)),
+    ("custom output for a function call", "POST", "/v1/responses",
+     {"model": "demo", "input": [CALL, {"type": "custom_tool_call_output", "call_id": "c1", "output": "x"}]},
+     "key-a", 400, "input[1].call_id", ("custom_tool_call",)),
+    ("bad prompt_cache_retention", "POST", "/v1/responses",
+     {"model": "demo", "input": "x", "prompt_cache_retention": "forever"}, "key-a", 400, "prompt_cache_retention", ()),
     ("image part", "POST", "/v1/responses",
      {"model": "demo", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "key-a", 400, "input[0].content[0].type", ("input_image", "not supported")),
@@ -192,7 +218,7 @@ CASES: list[tuple[str, str, str, Any, str | None, int, str | None, tuple[str, ..
      "key-a", 400, "messages[0].content[0].type", ("not supported",)),
     ("chat: hosted tool", "POST", "/v1/chat/completions",
      {"model": "demo", "messages": USER, "tools": [{"type": "web_search"}]}, "key-a", 400, "tools[0].type",
-     ("web_search", "not supported")),
+     ("web_search", "cannot run")),
     ("chat: invalid tool schema", "POST", "/v1/chat/completions",
      {"model": "demo", "messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters":
                                                                                      {"type": "objekt"}}}]},
@@ -323,3 +349,18 @@ def test_openapi_schema_is_typed(served: Served) -> None:
 
 def test_schemathesis(served: Served) -> None:
     run_schemathesis(served.server.url, {"authorization": "Bearer key-a"})
+
+
+def test_oversized_body_is_readable_by_a_client_still_sending(served: Served) -> None:
+    """A 20 MB body over a 16 KiB limit, sent by urllib (which writes the whole body before it
+    reads): the answer is the 413 error object, not a reset connection."""
+    body = b'{"model": "demo", "input": "' + b"x" * 20_000_000 + b'"}'
+    request = urllib.request.Request(
+        served.server.url + "/v1/responses", data=body, method="POST",
+        headers={"content-type": "application/json", "authorization": "Bearer key-a"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=60)
+    assert e.value.code == 413
+    err = json.loads(e.value.read())["error"]
+    assert err["code"] == "request_too_large" and "16384" in err["message"]

@@ -65,13 +65,34 @@ def test_parse_tools_accepts_responses_shape() -> None:
 @pytest.mark.parametrize(
     "kind",
     ["web_search", "web_search_preview", "file_search", "mcp", "code_interpreter", "computer_use_preview",
-     "image_generation", "local_shell", "custom"],
+     "image_generation", "local_shell"],
 )  # fmt: skip
-def test_hosted_tools_are_unsupported_by_name(kind: str) -> None:
+def test_hosted_tools_are_rejected_by_name_or_ignored(kind: str) -> None:
     with pytest.raises(InvalidTool) as e:
         parse_tools([_tool("ok"), {"type": kind}])
     assert e.value.param == "tools[1].type"
-    assert str(e.value) == f"tools[1].type: tool type {kind!r} is not supported; only function tools are"
+    assert str(e.value) == f"tools[1].type: hosted tool type {kind!r} cannot run on this server"
+    assert [t.name for t in parse_tools([_tool("ok"), {"type": kind}], hosted="ignore")] == ["ok"]
+
+
+def test_namespace_and_custom_tools() -> None:
+    lark = {"type": "grammar", "syntax": "lark", "definition": 'start: "a"+'}
+    specs = parse_tools([
+        {"type": "namespace", "name": "multi_agent_v1", "description": "agents",
+         "tools": [_tool("spawn_agent"), {"type": "custom", "name": "note", "format": lark}]},
+        {"type": "custom", "name": "apply_patch"},
+    ])  # fmt: skip
+    assert [(t.name, t.namespace, t.local_name, t.kind) for t in specs] == [
+        ("multi_agent_v1.spawn_agent", "multi_agent_v1", "spawn_agent", "function"),
+        ("multi_agent_v1.note", "multi_agent_v1", "note", "custom"),
+        ("apply_patch", None, "apply_patch", "custom"),
+    ]
+    assert specs[1].format == lark and specs[2].format == {"type": "text"}
+    assert specs[1].responses() == {"type": "custom", "name": "note", "description": None, "format": lark}
+    with pytest.raises(InvalidTool) as e:
+        parse_tools([{"type": "custom", "name": "r", "format": {"type": "grammar", "syntax": "regex",
+                                                                "definition": "(unclosed"}}])  # fmt: skip
+    assert e.value.param == "tools[0].format.definition"
 
 
 @pytest.mark.parametrize(
@@ -80,7 +101,7 @@ def test_hosted_tools_are_unsupported_by_name(kind: str) -> None:
         ([_tool("bad name!")], "tools[0].function.name", "'bad name!' must be 1-64 characters"),
         ([{"type": "function", "name": ""}], "tools[0].name", "'' must be 1-64 characters"),
         ([_tool("f"), _tool("f")], "tools[1].function.name", "duplicate tool name 'f'"),
-        ([{"type": "function"}], "tools[0]", "missing the function"),
+        ([{"type": "function"}], "tools[0].name", "needs its name"),
         ([{"type": "function", "function": "f"}], "tools[0].function", "expected an object"),
         (["f"], "tools[0]", "a tool must be an object"),
         ([{"type": "function", "name": "f", "strict": "yes"}], "tools[0].strict", "expected true, false or null"),

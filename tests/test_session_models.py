@@ -115,7 +115,7 @@ def test_sdk_input_forms_become_complete_items() -> None:
         (5, "input", "expected a string or a list"),
         (["hi"], "input[0]", "expected an object"),
         ([{"role": "user", "content": [{"type": "input_text", "text": 5}]}], "input[0].content[0].text", "Expected"),
-        ([{"type": "web_search_call", "id": "ws_1"}], "input[0].type", "Invalid value"),
+        ([{"type": "web_search_call", "id": "ws_1"}], "input[0].type", "unknown item type"),
         ([{"role": "tool", "content": "x"}], "input[0].role", "Invalid enum value"),
         ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0]", "call_id"),
         (b"[{", "input", "truncated"),

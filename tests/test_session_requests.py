@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from sessions.items import FunctionCall, FunctionCallOutput, Message
-from sessions.models import JsonSchemaFormat, ToolChoiceFunction
+from sessions.models import JsonSchemaFormat
 from sessions.requests import InvalidParam, decode_request
 
 WEATHER = {
@@ -34,7 +34,7 @@ def test_sdk_body_is_accepted_and_echoed() -> None:
     req = decode_request(msgspec.json.encode(body))
     assert [type(i) for i in req.input_items] == [Message, FunctionCall, FunctionCallOutput]
     assert req.store and not req.stream and not req.background and req.thinking
-    assert req.tool_choice == "auto" and req.tools[0].name == "get_weather" and req.tools[0].strict is True
+    assert req.tool_choice == "auto" and req.tools[0]["name"] == "get_weather" and req.tools[0]["strict"] is True
     assert isinstance(req.text.format, JsonSchemaFormat) and req.text.format.name == "answer"
     assert req.response_format() == {
         "type": "json_schema", "json_schema": {"name": "answer", "schema": body["text"]["format"]["schema"],  # type: ignore[index]
@@ -42,13 +42,13 @@ def test_sdk_body_is_accepted_and_echoed() -> None:
     }  # fmt: skip
     response = req.response("demo", 64)
     assert response.status == "in_progress" and response.instructions == "Be brief." and response.temperature == 0.5
-    assert response.tools[0].description == "Weather of a city" and response.max_output_tokens == 64
+    assert response.tools[0]["description"] == "Weather of a city" and response.max_output_tokens == 64
 
 
 def test_tool_choice_shapes() -> None:
     choice = {"type": "function", "name": "get_weather"}
     named = decode_request({"input": "x", "tools": [WEATHER], "tool_choice": choice})
-    assert named.tool_choice == ToolChoiceFunction(name="get_weather")
+    assert named.tool_choice == {"type": "function", "name": "get_weather"}
     assert decode_request({"input": "x", "tools": [WEATHER], "tool_choice": "required"}).tool_choice == "required"
     off = decode_request({"input": "x", "reasoning": {"effort": "none"}, "conversation": {"id": "conv_1"}})
     assert not off.thinking and off.conversation_id == "conv_1"
@@ -58,7 +58,7 @@ def test_tool_choice_shapes() -> None:
     ("body", "param"),
     [
         ({"input": "x", "conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "x", "tools": [{"type": "oracle"}]}, "tools[0].type"),
         ({"input": "x", "tools": [WEATHER, {"type": "function", "name": "get_weather"}]}, "tools[1].name"),
         ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
         ({"input": "x", "tool_choice": "required"}, "tool_choice"),

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import NamedTuple
 
+from tools import custom
 from tools.call_object import CallObject, Scan
+from tools.custom import CustomCallReader, Read
 from tools.formats import ToolCallFormat
 from tools.schema import ArgumentsInvalid, ToolSpec, validate_arguments
 
@@ -68,6 +70,7 @@ class _S(Enum):
     OPEN = auto()  # after the marker, before the call object (or the array)
     OBJECT = auto()  # inside a call's JSON object
     AFTER = auto()  # after a call object: the end marker, or "," / "]" in an array
+    CUSTOM = auto()  # inside a custom tool's frame (`tools.custom`)
 
 
 @dataclass(slots=True)
@@ -93,6 +96,12 @@ class ToolCallParser:
     ):
         self.fmt = fmt
         self.tools = {t.name: t for t in tools} if tools is not None else None
+        # custom tools' frame is a second marker, watched only when such a tool is declared
+        has_custom = any(t.kind == "custom" for t in tools or [])
+        self._markers = (fmt.start, custom.OPEN) if has_custom else (fmt.start,)
+        self._custom: CustomCallReader | None = None
+        self._custom_id = ""
+        self._custom_input: list[str] = []
         self._new_id = new_id
         self._state = _S.TEXT
         self._held = ""  # TEXT: a possible marker prefix; OPEN: the text since the marker; AFTER: since the call
@@ -113,8 +122,10 @@ class ToolCallParser:
 
     def finish(self) -> list[Event]:
         """End of the reply: held text is released; a call left open is reported as failed."""
-        while self._state in (_S.OPEN, _S.OBJECT):
-            if self._call is not None and self._call.started:
+        while self._state in (_S.OPEN, _S.OBJECT, _S.CUSTOM):
+            if self._state is _S.CUSTOM:
+                self._end_custom()
+            elif self._call is not None and self._call.started:
                 self._done(self._call, "the reply ended inside the call")
                 self._state = _S.TEXT
             else:
@@ -172,10 +183,13 @@ class ToolCallParser:
         fmt = self.fmt
         if self._state is _S.TEXT:
             self._held += c
-            while self._held and not fmt.start.startswith(self._held):
+            while self._held and not any(m.startswith(self._held) for m in self._markers):
                 self._add_text(self._held[0])
                 self._held = self._held[1:]
-            if self._held == fmt.start:
+            if self._held == custom.OPEN and len(self._markers) > 1:
+                self._attempt, self._held, self._state = list(custom.OPEN), "", _S.CUSTOM
+                self._custom = CustomCallReader()
+            elif self._held == fmt.start:
                 self._attempt, self._held, self._state = list(fmt.start), "", _S.OPEN
                 if fmt.start_in_body:
                     self._open_call(fmt.start)
@@ -194,10 +208,55 @@ class ToolCallParser:
             if self._call is not None and not self._call.started:
                 self._attempt.append(c)
             self._object_char(c)
+        elif self._state is _S.CUSTOM:
+            self._custom_char(c)
         elif fmt.array:
             self._after_array(c)
         else:
             self._after_end(c)
+
+    def _custom_char(self, c: str) -> None:
+        reader = self._custom
+        assert reader is not None
+        if not reader.started:
+            self._attempt.append(c)
+        read = reader.push(c)
+        if read is Read.BAD:
+            self._custom = None
+            self._bail()
+        elif read is Read.STARTED:
+            self._custom_id, self._custom_input = self._new_id(), []
+            self._emit(CallStarted(self._index, self._custom_id, reader.name))
+        elif read is Read.BODY:
+            if delta := reader.take():
+                self._custom_input.append(delta)
+                self._emit(ArgumentsDelta(self._index, delta))
+        elif read is Read.CLOSED:
+            self._finish_custom(reader, reader.take(), None)
+
+    def _end_custom(self) -> None:
+        """The reply ended inside a custom frame: a started call fails, else the frame was text."""
+        reader = self._custom
+        assert reader is not None
+        if reader.started:
+            self._finish_custom(reader, reader.rest(), "the reply ended inside the call")
+        else:
+            self._custom = None
+            self._bail()
+            self._run()
+
+    def _finish_custom(self, reader: CustomCallReader, last: str, error: str | None) -> None:
+        if last:
+            self._custom_input.append(last)
+            self._emit(ArgumentsDelta(self._index, last))
+        if error is None and self.tools is not None:
+            tool = self.tools.get(reader.name)
+            if tool is None or tool.kind != "custom":
+                error = f"custom tool {reader.name!r} is not declared"
+        text = "".join(self._custom_input)
+        self._emit(CallDone(self._index, self._custom_id, reader.name, text, error))
+        self._index += 1
+        self._custom, self._attempt, self._after_call, self._state = None, [], True, _S.TEXT
 
     def _open_call(self, text: str) -> None:
         self._call, self._held, self._state = _Call(self._new_id(), CallObject(self.fmt.args_key)), "", _S.OBJECT

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
-from tools.schema import InvalidOutputFormat, InvalidToolChoice, ToolSpec
+from tools.schema import HOSTED_TOOLS, InvalidOutputFormat, InvalidToolChoice, ToolSpec
 
 Mode = Literal["none", "auto", "required"]
 FormatKind = Literal["text", "json_object", "json_schema"]
@@ -78,14 +78,22 @@ def _check_declared(name: str, param: str, declared: set[str]) -> None:
         raise InvalidToolChoice(param, f"function {name!r} is not among the declared tools")
 
 
+def _qualified(obj: dict[str, Any]) -> str | None:
+    """A choice entry's tool name, qualified by its `namespace` when it gives one."""
+    name, space = obj.get("name"), obj.get("namespace")
+    if not isinstance(name, str):
+        return None
+    return f"{space}.{name}" if isinstance(space, str) and space else name
+
+
 def _parse_choice_object(obj: dict[str, Any], param: str, declared: set[str]) -> ToolChoice:
     kind = obj.get("type")
-    if kind == "function":
+    if kind in ("function", "custom"):
         if "function" in obj:  # Chat
             fn = obj["function"]
             name, at = (fn.get("name") if isinstance(fn, dict) else None), f"{param}.function.name"
-        else:  # Responses
-            name, at = obj.get("name"), f"{param}.name"
+        else:  # Responses (a namespace's tool by its qualified name, or with its namespace)
+            name, at = _qualified(obj), f"{param}.name"
         if not isinstance(name, str):
             raise InvalidToolChoice(at, f"expected the function's name, got {name!r}")
         _check_declared(name, at, declared)
@@ -101,11 +109,17 @@ def _parse_choice_object(obj: dict[str, Any], param: str, declared: set[str]) ->
             raise InvalidToolChoice(f"{at}.tools", f"expected a non-empty list of tools, got {listed!r}")
         names = []
         for i, t in enumerate(listed):
-            fn = t.get("function", t) if isinstance(t, dict) and t.get("type", "function") == "function" else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise InvalidToolChoice(f"{at}.tools[{i}]", f"expected a function tool with its name, got {t!r}")
-            _check_declared(fn["name"], f"{at}.tools[{i}]", declared)
-            names.append(fn["name"])
+            if isinstance(t, dict) and t.get("type") in HOSTED_TOOLS:
+                continue  # a hosted tool is never offered here
+            kind_i = t.get("type", "function") if isinstance(t, dict) else None
+            fn = t.get("function", t) if kind_i in ("function", "custom") else None
+            name = _qualified(fn) if isinstance(fn, dict) else None
+            if name is None:
+                raise InvalidToolChoice(
+                    f"{at}.tools[{i}]", f"expected a function or custom tool with its name, got {t!r}"
+                )
+            _check_declared(name, f"{at}.tools[{i}]", declared)
+            names.append(name)
         return ToolChoice(mode, tuple(names))
     raise InvalidToolChoice(f"{param}.type", f"tool_choice type {kind!r} is not supported; only function tools are")
 

@@ -18,6 +18,7 @@ import xgrammar as xgr
 from xgrammar import structural_tag as st
 
 from engine.loading.tokenizer import Tokenizer
+from tools import custom
 from tools.constraints import parse_tool_choice
 from tools.schema import ToolSpec
 
@@ -119,10 +120,14 @@ def structural_tag(
     """
     choice = parse_tool_choice(tool_choice, tools)
     allowed = choice.allowed(tools)
+    frames = [t for t in allowed if t.kind == "custom"]
+    starts = [fmt.start, custom.OPEN] if any(t.kind == "custom" for t in tools) else [fmt.start]
     if not allowed:
-        return st.StructuralTag(format=text or st.AnyTextFormat(excludes=[fmt.start]))
-    tags = [_call_tag(fmt, t) for t in allowed]
+        return st.StructuralTag(format=text or st.AnyTextFormat(excludes=starts))
     single = choice.single or not parallel_tool_calls
+    if frames:  # custom tools' frames beside the format's calls (`tools.custom`)
+        return _with_custom(fmt, allowed, choice.mode, single, text)
+    tags = [_call_tag(fmt, t) for t in allowed]
     calls: st.Format
     if fmt.array:
         listed = st.TagsWithSeparatorFormat(tags=tags, separator=", ", at_least_one=True, stop_after_first=single)
@@ -145,6 +150,27 @@ def structural_tag(
             parallel_tool_calls=parallel_tool_calls, max_whitespace_cnt=MAX_WHITESPACE,
         )  # fmt: skip
     return st.StructuralTag(format=st.TriggeredTagsFormat(triggers=[fmt.start], tags=tags, stop_after_first=single))
+
+
+def _with_custom(
+    fmt: ToolCallFormat, allowed: list[ToolSpec], mode: str, single: bool, text: st.Format | None
+) -> st.StructuralTag:
+    """A reply whose tools include custom ones: each call is a function call in `fmt`'s syntax (one
+    object per call; Mistral's array holds one call) or a custom tool's frame."""
+    tags = [
+        custom.call_tag(t.name, t.format) if t.kind == "custom"
+        else _call_tag(fmt, t) if not fmt.array
+        else st.TagFormat(begin=f"{fmt.start}[", content=_call_tag(fmt, t), end="]")
+        for t in allowed
+    ]  # fmt: skip
+    sep = "\n" if fmt.end or fmt.array else ", "
+    calls = st.TagsWithSeparatorFormat(tags=tags, separator=sep, at_least_one=True, stop_after_first=single)
+    if mode == "required":
+        return st.StructuralTag(format=calls)
+    if text is not None:
+        return st.StructuralTag(format=st.OrFormat(elements=[text, calls]))
+    triggers = sorted({fmt.start, custom.OPEN})
+    return st.StructuralTag(format=st.TriggeredTagsFormat(triggers=triggers, tags=tags, stop_after_first=single))
 
 
 def _call_tag(fmt: ToolCallFormat, tool: ToolSpec) -> st.TagFormat:

@@ -22,6 +22,7 @@ import json
 from typing import Any
 
 from engine.loading.tokenizer import Tokenizer
+from tools import custom
 from tools.formats import HERMES
 from tools.schema import InvalidRequest, ToolSpec
 
@@ -91,6 +92,8 @@ def _content_text(content: Any, param: str) -> str:
 def _tool_call(call: Any) -> dict[str, Any]:
     """A call in the Chat shape, or the flat one of a Responses `function_call`, as templates take it."""
     call = call if isinstance(call, dict) else {}
+    if call.get("type") == "custom":  # a custom tool's call: its name and free-text input
+        return call
     fn = call.get("function") if isinstance(call.get("function"), dict) else call
     args = fn.get("arguments", {})
     if isinstance(args, str):
@@ -117,6 +120,9 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[ToolSpec]) -> li
         if role == "assistant" and m.get("tool_calls"):
             blocks = []
             for call in m["tool_calls"]:
+                if call.get("type") == "custom":
+                    blocks.append(custom.render_call(call["custom"]["name"], call["custom"]["input"]))
+                    continue
                 args = call["function"]["arguments"]
                 args = args if isinstance(args, str) else json.dumps(args)
                 blocks.append(HERMES.render_call(call["function"]["name"], args))
@@ -125,7 +131,9 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[ToolSpec]) -> li
             text = f"<tool_response>\n{text}\n</tool_response>"
         out.append({"role": role, "content": text})
     if tools:
-        system = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(t.openai()) for t in tools))
+        system = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(_signature(t)) for t in tools))
+        if any(t.kind == "custom" for t in tools):
+            system += "\n\n" + custom.INSTRUCTIONS
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{system}".lstrip()}
         else:
@@ -133,13 +141,52 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[ToolSpec]) -> li
     return out
 
 
+def _signature(tool: ToolSpec) -> dict[str, Any]:
+    """How a tool is listed to the model: a function's Chat shape, a custom tool's own."""
+    if tool.kind != "custom":
+        return tool.openai()
+    sig: dict[str, Any] = {"type": "custom", "name": tool.name, "description": tool.description}
+    if tool.format and tool.format.get("type") == "grammar":
+        sig["format"] = tool.format
+    return sig
+
+
+def inline_custom(messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[dict[str, Any]]:
+    """For a template that renders tools itself: custom calls leave `tool_calls` (no template
+    knows them) and join the assistant's text in their frame, as the model wrote them; the custom
+    frame's instructions join the system message."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") or []
+        if any(c.get("type") == "custom" for c in calls):
+            frames = [custom.render_call(c["custom"]["name"], c["custom"]["input"]) for c in calls
+                      if c.get("type") == "custom"]  # fmt: skip
+            m = {**m, "content": "".join([m["content"], *frames])}
+            rest = [c for c in calls if c.get("type") != "custom"]
+            if rest:
+                m["tool_calls"] = rest
+            else:
+                m.pop("tool_calls")
+        out.append(m)
+    if any(t.kind == "custom" for t in tools):
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{custom.INSTRUCTIONS}".lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": custom.INSTRUCTIONS})
+    return out
+
+
 def render_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[int]:
-    """Prompt token ids for a conversation (Chat messages, tool calls in either API's shape) with tools.
+    """Prompt token ids for a conversation (Chat messages, tool calls in either API's shape) with tools;
+    a tokenizer without a chat template (a base model) renders it with the built-in ChatML.
 
     Raises:
         InvalidRequest: see `normalize_messages`.
+        NoChatTemplate: the model is served with `--chat-template none`.
     """
     messages = normalize_messages(messages)
     if tokenizer.renders_tools:
-        return tokenizer.apply_chat_template(messages, tools=[t.openai() for t in tools] or None)
-    return tokenizer.apply_chat_template(hermes_messages(messages, tools))
+        return tokenizer.apply_chat_template(
+            inline_custom(messages, tools), tools=[t.openai() for t in tools] or None, fallback=True
+        )
+    return tokenizer.apply_chat_template(hermes_messages(messages, tools), fallback=True)

@@ -18,15 +18,25 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
+
+from tools.custom import InvalidTool as CustomToolError
+from tools.custom import check_format
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: " and "Check failed: ... : ".
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: .*? is false: )?")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# OpenAI's hosted tools: the server cannot run them (`--hosted-tools ignore|reject`).
+HOSTED_TOOLS = frozenset({
+    "web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11", "file_search",
+    "mcp", "code_interpreter", "computer_use_preview", "computer_use", "image_generation", "local_shell",
+    "shell", "apply_patch", "tool_search",
+})  # fmt: skip
+HostedPolicy = Literal["ignore", "reject"]
 
 
 class InvalidRequest(ValueError):
@@ -72,11 +82,16 @@ class InvalidOutputFormat(InvalidRequest):
 
 @dataclass(frozen=True, slots=True)
 class ToolSpec:
-    """One declared function tool: its name and the JSON Schema of its arguments.
+    """One declared tool the model may call: a function (JSON arguments under a schema) or a
+    custom tool (free-text input, optionally under a Lark or regex grammar: `tools.custom`).
 
     Attributes:
+        name: the name the model calls it by; `namespace.local` for a tool of a namespace tool.
         strict: as the request said (None when it did not); the grammar always holds to the schema.
         param: where the request declared the parameters (`tools[1].parameters`), for errors.
+        namespace: the namespace tool it was declared in (its calls carry it back), or None.
+        kind: "function" or "custom".
+        format: a custom tool's `format` ({"type": "text"} or a grammar), as checked.
     """
 
     name: str
@@ -84,6 +99,14 @@ class ToolSpec:
     description: str = ""
     strict: bool | None = None
     param: str = field(default="", compare=False)
+    namespace: str | None = None
+    kind: Literal["function", "custom"] = "function"
+    format: dict[str, Any] | None = None
+
+    @property
+    def local_name(self) -> str:
+        """The name inside its namespace (the name itself outside one)."""
+        return self.name.removeprefix(f"{self.namespace}.") if self.namespace else self.name
 
     def openai(self) -> dict[str, Any]:
         """The OpenAI chat-completions shape (what xgrammar and chat templates take)."""
@@ -94,8 +117,11 @@ class ToolSpec:
 
     def responses(self) -> dict[str, Any]:
         """The Responses API's flat shape, every field present (as a response object echoes it)."""
+        if self.kind == "custom":
+            return {"type": "custom", "name": self.local_name, "description": self.description or None,
+                    "format": self.format}  # fmt: skip
         return {
-            "type": "function", "name": self.name, "description": self.description or None,
+            "type": "function", "name": self.local_name, "description": self.description or None,
             "parameters": self.parameters, "strict": self.strict,
         }  # fmt: skip
 
@@ -134,14 +160,20 @@ def check_json_schema(schema: Any, where: str, param: str | None = None) -> dict
     return schema
 
 
-def parse_tools(tools: list[dict[str, Any]] | None) -> list[ToolSpec]:
-    """Validates function tool definitions in either API's shape (see the module docstring).
+def parse_tools(tools: list[dict[str, Any]] | None, hosted: HostedPolicy = "reject") -> list[ToolSpec]:
+    """Validates tool definitions in either API's shape (see the module docstring): function tools,
+    custom tools, and namespace tools (`{"type": "namespace", "name", "tools": [...]}`, whose
+    function and custom tools are offered as `namespace.name`).
 
     Only the JSON Schema check happens here; whether the grammar engine can express each schema is
     checked when the grammar is compiled (`tools.grammar.GrammarCompiler.check_tools`).
 
+    Args:
+        hosted: what a hosted tool (`web_search`, ...) gets: `ignore` (left out: the model is not
+            offered it) or `reject` (InvalidTool naming `tools[i].type`).
+
     Raises:
-        InvalidTool: a tool type other than function, a malformed definition or a duplicate name.
+        InvalidTool: an unknown tool type, a malformed definition or a duplicate name.
         InvalidSchema: a tool's `parameters` is not a valid JSON Schema object schema.
     """
     if tools is not None and not isinstance(tools, list):
@@ -153,32 +185,69 @@ def parse_tools(tools: list[dict[str, Any]] | None) -> list[ToolSpec]:
         if not isinstance(tool, dict):
             raise InvalidTool(at, f"a tool must be an object, got {type(tool).__name__}")
         kind = tool.get("type", "function")
-        if kind != "function":
-            raise InvalidTool(f"{at}.type", f"tool type {kind!r} is not supported; only function tools are")
-        if "function" in tool:  # Chat Completions
-            fn, at = tool["function"], f"{at}.function"
-            if not isinstance(fn, dict):
-                raise InvalidTool(at, "expected an object with the function's name and parameters")
-        elif "name" in tool:  # Responses
-            fn = tool
-        else:
-            raise InvalidTool(at, "missing the function: 'function' {name, parameters} or a flat 'name'")
-        name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise InvalidTool(f"{at}.name", f"{name!r} must be 1-64 characters of letters, digits, _ . : -")
-        if name in seen:
-            raise InvalidTool(f"{at}.name", f"duplicate tool name {name!r}")
-        seen.add(name)
-        strict = fn.get("strict", tool.get("strict"))
-        if strict is not None and not isinstance(strict, bool):
-            raise InvalidTool(f"{at}.strict", f"expected true, false or null, got {strict!r}")
-        where, param = f"tool {name!r} parameters", f"{at}.parameters"
-        params = fn.get("parameters")
-        params = check_json_schema(EMPTY_PARAMETERS if params is None else params, where, param)
-        if params.get("type", "object") != "object":
-            raise InvalidSchema(where, "$.type", f"arguments must be an object, got type {params.get('type')!r}", param)
-        specs.append(ToolSpec(name, params, str(fn.get("description") or ""), strict, param))
+        if kind in HOSTED_TOOLS:
+            if hosted == "reject":
+                raise InvalidTool(f"{at}.type", f"hosted tool type {kind!r} cannot run on this server")
+            continue
+        if kind == "namespace":
+            space = tool.get("name")
+            if not isinstance(space, str) or not _NAME.match(space):
+                raise InvalidTool(f"{at}.name", f"{space!r} must be 1-64 characters of letters, digits, _ . : -")
+            inner = tool.get("tools")
+            if not isinstance(inner, list) or not inner:
+                raise InvalidTool(f"{at}.tools", "a namespace tool needs a non-empty list of tools")
+            for j, t in enumerate(inner):
+                if not isinstance(t, dict) or t.get("type", "function") not in ("function", "custom"):
+                    kind_j = t.get("type") if isinstance(t, dict) else type(t).__name__
+                    raise InvalidTool(f"{at}.tools[{j}].type", f"a namespace holds function and custom tools, "
+                                      f"got {kind_j!r}")  # fmt: skip
+                specs.append(_tool(t, f"{at}.tools[{j}]", seen, space))
+            continue
+        specs.append(_tool(tool, at, seen))
     return specs
+
+
+def _tool(tool: dict[str, Any], at: str, seen: set[str], namespace: str | None = None) -> ToolSpec:
+    """One function or custom tool (of `namespace`, if given); its name is added to `seen`."""
+    kind = tool.get("type", "function")
+    if kind not in ("function", "custom"):
+        raise InvalidTool(f"{at}.type", f"unknown tool type {kind!r}; supported: function, custom, namespace "
+                          "(hosted tools are ignored or rejected)")  # fmt: skip
+    if "function" in tool:  # Chat Completions
+        fn, at = tool["function"], f"{at}.function"
+        if not isinstance(fn, dict):
+            raise InvalidTool(at, "expected an object with the function's name and parameters")
+    elif "name" in tool:  # Responses
+        fn = tool
+    else:
+        raise InvalidTool(f"{at}.name", "a tool needs its name: 'function' {name, parameters} or a flat 'name'")
+    local = fn.get("name")
+    name = f"{namespace}.{local}" if namespace is not None and isinstance(local, str) else local
+    if not isinstance(local, str) or not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidTool(f"{at}.name", f"{name!r} must be 1-64 characters of letters, digits, _ . : -")
+    if name in seen:
+        raise InvalidTool(f"{at}.name", f"duplicate tool name {name!r}")
+    seen.add(name)
+    desc = str(fn.get("description") or "")
+    if kind == "custom":
+        try:
+            fmt = check_format(tool.get("format"), f"{at}.format")
+        except CustomToolError as e:
+            raise InvalidTool(e.param, e.message) from None
+        return ToolSpec(name, CUSTOM_PARAMETERS, desc, None, f"{at}.format", namespace, "custom", fmt)
+    strict = fn.get("strict", tool.get("strict"))
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidTool(f"{at}.strict", f"expected true, false or null, got {strict!r}")
+    where, param = f"tool {name!r} parameters", f"{at}.parameters"
+    params = fn.get("parameters")
+    params = check_json_schema(EMPTY_PARAMETERS if params is None else params, where, param)
+    if params.get("type", "object") != "object":
+        raise InvalidSchema(where, "$.type", f"arguments must be an object, got type {params.get('type')!r}", param)
+    return ToolSpec(name, params, desc, strict, param, namespace)
+
+
+# What a custom tool is offered as to templates that render tools: one free-text input.
+CUSTOM_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {"input": {"type": "string"}}}
 
 
 def validate_instance(instance: Any, schema: dict[str, Any]) -> tuple[str, str] | None:
