@@ -36,6 +36,7 @@ from sessions.models import now
 from sessions.render import Prompt, build_prompt, decode_exact, encode, render_text, to_messages
 from sessions.requests import ResponseRequest
 from sessions.store import SessionStore
+from sessions.token_cache import TokenCache
 from tools.schema import ToolSpec
 
 
@@ -51,9 +52,26 @@ class SummaryFailed(RuntimeError):
 
 
 class PromptFitter:
-    def __init__(self, engine: Engine, store: SessionStore, tokenizer: Tokenizer):
+    def __init__(self, engine: Engine, store: SessionStore, tokenizer: Tokenizer, tokens: TokenCache | None = None):
         self.engine, self.store, self.tokenizer = engine, store, tokenizer
         self.tokenizing = TokenizerPool(tokenizer)  # one worker: a fast tokenizer is not thread-safe
+        self.tokens = tokens
+        # where a turn's output ends in a rendering: before the end-of-turn (eos) markers
+        self.markers = [decode_exact(tokenizer, [i]) for i in tokenizer.eos_token_ids]
+
+    async def _cached_ids(self, tenant: str, text: str) -> list[int] | None:
+        """The ids of the longest earlier turn `text` continues (`sessions.token_cache`), if cached."""
+        assert self.tokens is not None
+        for cut, ids in await self.tokens.find(tenant, text, self.markers):
+            if await self.tokenizing.run(decode_exact, self.tokenizer, ids) == text[:cut]:
+                return ids
+        return None
+
+    async def remember(self, tenant: str, ids: list[int]) -> None:
+        """Keep a finished turn's prompt + output ids for a client that re-sends its history."""
+        if self.tokens is not None and ids:
+            text = await self.tokenizing.run(decode_exact, self.tokenizer, ids)
+            await self.tokens.remember(tenant, text, ids)
 
     @property
     def limit(self) -> int:
@@ -76,6 +94,11 @@ class PromptFitter:
 
         async def render(summary: str | None, items: list[Item]) -> Prompt:
             messages = with_summary(to_messages(items, req.body.instructions), summary, req.body.instructions)
+            if ctx.previous_ids is None and self.tokens is not None:  # a re-sent history: its ids cached?
+                text = await self.tokenizing.run(render_text, self.tokenizer, messages, specs, thinking=req.thinking)
+                previous = await self._cached_ids(tenant, text)
+                found: Prompt = await self.tokenizing.run(build_prompt, self.tokenizer, text, previous)
+                return found
 
             def run() -> Prompt:
                 text = render_text(self.tokenizer, messages, specs, thinking=req.thinking)

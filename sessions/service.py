@@ -37,6 +37,7 @@ from sessions.reasoning import ReasoningSplitter, opens_in_reasoning, uses_reaso
 from sessions.recovery import settle
 from sessions.requests import CreateResponseBody, InvalidParam, ResponseRequest, decode_request, sampling_params
 from sessions.store import SessionStore
+from sessions.token_cache import TokenCache
 from sessions.turn import Turn, TurnPlan
 from sessions.waiting import WaitingGate, WaitingPlace
 from tools.calls import ToolCallParser
@@ -74,7 +75,7 @@ class SessionService:
         self.running: dict[str, Turn] = {}
         self._hosted_seen: set[str] = set()
         self.conversations = ConversationAPI(store)
-        self.fitter = PromptFitter(engine, store, tokenizer)
+        self.fitter = PromptFitter(engine, store, tokenizer, TokenCache(store.client, store.config.prefix))
 
     # ---- create ----
 
@@ -159,9 +160,13 @@ class SessionService:
         forced: tuple[list[int], str] = ([], "")
         if matcher is not None and not assembler.in_reasoning and not params.logprobs:
             forced = await self.fitter.tokenizing.run(_forced, matcher, self.tokenizer, params)
+
+        async def remember(ids: list[int]) -> None:
+            await self.fitter.remember(tenant, ids)
+
         return TurnPlan(
             tenant, response, req.input_items, prompt.ids, params, matcher, assembler, req.store,
-            req.conversation_id, fence, ctx.base_version, *forced,
+            req.conversation_id, fence, ctx.base_version, *forced, remember=remember,
         )  # fmt: skip
 
     async def _keep_lease(self, lease: tuple[str, str, int]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -73,6 +74,8 @@ class TurnPlan:
     base_version: int | None = None
     forced_ids: list[int] = field(default_factory=list)
     forced_text: str = ""
+    # called with prompt + output ids after a turn that ended normally (`sessions.token_cache`)
+    remember: Callable[[list[int]], Awaitable[None]] | None = None
 
 
 class Turn:
@@ -159,6 +162,8 @@ class Turn:
             error=ResponseError("server_error", error or "generation failed") if status == "failed" else None,
         )  # fmt: skip
         final = await self._commit(final, output_ids)
+        if p.remember is not None and reason == FinishReason.STOP and final.status == "completed":
+            await p.remember([*p.prompt_ids, *output_ids])
         self.result = final
         await self.writer.terminal(final)
         return final
