@@ -12,6 +12,7 @@ Item text is kept exactly as the model wrote it, so the next turn renders what t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -57,6 +58,7 @@ class OutputAssembler:
     def __init__(self, writer: EventWriter, parser: ToolCallParser | None, splitter: ReasoningSplitter):
         self.writer, self.parser, self.splitter = writer, parser, splitter
         self.tools: dict[str, ToolSpec] = (parser.tools or {}) if parser is not None else {}
+        self.seal: Callable[[str], str] | None = None  # `include: reasoning.encrypted_content` (`sessions.sealed`)
         self.items: list[Item] = []
         self._open: _Open | None = None
         self._pending = ""  # whitespace not yet known to open a message
@@ -149,6 +151,8 @@ class OutputAssembler:
         elif o.kind == "reasoning":
             await w.reasoning_done(o.index, o.id, text)
             item = Reasoning(id=o.id, content=[ReasoningText(text=text)])
+            if self.seal is not None:
+                item.encrypted_content = self.seal(text)
         else:
             args = text if arguments is None else arguments
             item = self._call(o, args, status)

@@ -36,6 +36,7 @@ from sessions.prompt_fit import PromptFitter
 from sessions.reasoning import ReasoningSplitter, opens_in_reasoning, uses_reasoning
 from sessions.recovery import settle
 from sessions.requests import CreateResponseBody, InvalidParam, ResponseRequest, decode_request, sampling_params
+from sessions.sealed import Sealer, open_reasoning
 from sessions.store import SessionStore
 from sessions.token_cache import TokenCache
 from sessions.turn import Turn, TurnPlan
@@ -138,6 +139,8 @@ class SessionService:
         if req.conversation_id is not None:
             fence = await self.store.conversations.acquire_lease(tenant, req.conversation_id, resp_id)
             undo.lease = (req.conversation_id, resp_id, fence)
+        sealer = Sealer(await self.store.reasoning_key(), tenant)
+        open_reasoning(req.input_items, sealer)
         ctx = await load_context(self.store, tenant, req)
         keep = asyncio.create_task(self._keep_lease(undo.lease)) if undo.lease is not None else None
         try:  # a summary request can outlast the lease
@@ -154,6 +157,8 @@ class SessionService:
         parser = ToolCallParser(self.tool_format, specs) if specs and req.tool_choice != "none" else None
         splitter = ReasoningSplitter(self.reasoning, self.reasoning and opens_in_reasoning(prompt.text))
         assembler = OutputAssembler(writer, parser, splitter)
+        if "reasoning.encrypted_content" in (req.body.include or []):
+            assembler.seal = sealer.seal
         if compaction is not None:  # the first output item; `Turn.run` emits its events
             assembler.items.append(compaction)
         matcher = grammar and self.compiler.matcher(grammar)

@@ -85,6 +85,7 @@ class SessionStore:
         self.jobs = JobQueue(client, keys, retrier, scripts)
         self._scripts = scripts
         self._secret: bytes | None = None
+        self._rkey: bytes | None = None
 
     @classmethod
     def connect(cls, url: str, config: StoreConfig | None = None) -> SessionStore:
@@ -128,12 +129,21 @@ class SessionStore:
     async def compaction_secret(self) -> bytes:
         """The HMAC key of compaction items: made once (SET NX), shared by every server."""
         if self._secret is None:
-
-            async def once() -> bytes:
-                await self.client.set(self.keys.secret, secrets.token_bytes(32), nx=True)
-                secret = await self.client.get(self.keys.secret)
-                assert isinstance(secret, bytes)
-                return secret
-
-            self._secret = await self.retrier.run(once, "secret")
+            self._secret = await self._shared_key(self.keys.secret)
         return self._secret
+
+    async def reasoning_key(self) -> bytes:
+        """The AES-256-GCM key of reasoning items' `encrypted_content` (`sessions.sealed`): made
+        once (SET NX, `P:rkey`), shared by every server."""
+        if self._rkey is None:
+            self._rkey = await self._shared_key(f"{self.keys.prefix}:rkey")
+        return self._rkey
+
+    async def _shared_key(self, key: str) -> bytes:
+        async def once() -> bytes:
+            await self.client.set(key, secrets.token_bytes(32), nx=True)
+            value = await self.client.get(key)
+            assert isinstance(value, bytes)
+            return value
+
+        return await self.retrier.run(once, "secret")

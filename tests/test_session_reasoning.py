@@ -15,7 +15,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from engine.engine import Engine, EngineConfig
 from engine.loading.tokenizer import Tokenizer
-from sessions.items import Message, Reasoning
+from sessions.items import Message, Reasoning, parse_input
+from sessions.requests import InvalidParam
+from sessions.sealed import Sealer, open_reasoning
 from sessions.service import SessionService
 from sessions.store import SessionStore, StoreConfig
 from tests.redis_server import shared_redis
@@ -61,6 +63,41 @@ def test_reasoning_item_and_thinking_switch(service_parts: tuple[Engine, Tokeniz
                 off = await svc.create("t", body | {"reasoning": {"effort": "none"}})
                 assert [type(i) for i in off.output] == [Message] and off.reasoning.effort == "none"  # type: ignore[union-attr]
                 assert off.usage.output_tokens_details.reasoning_tokens == 0  # type: ignore[union-attr]
+            finally:
+                await store.close()
+
+    asyncio.run(main())
+
+
+def test_encrypted_reasoning_round_trip(service_parts: tuple[Engine, Tokenizer], demo_gguf: Path) -> None:
+    """`include: ["reasoning.encrypted_content"]` with `store: false`: the reasoning item carries its
+    text sealed (AES-GCM under the key in Redis); sent back with only that, it is opened; altered,
+    or sent by another tenant, it is a 400 naming its `encrypted_content`."""
+    engine, tok = service_parts
+
+    async def main() -> None:
+        with shared_redis() as (url, prefix):
+            store = SessionStore.connect(url, StoreConfig(prefix=prefix))
+            svc = SessionService(engine, store, tok, compiler(str(demo_gguf)), detect_format(tok))
+            try:
+                body = {"input": "Hi", "temperature": 0, "max_output_tokens": 8, "store": False,
+                        "include": ["reasoning.encrypted_content"]}  # fmt: skip
+                r = await svc.create("t", body)
+                (item,) = r.output
+                assert isinstance(item, Reasoning) and isinstance(item.encrypted_content, str)
+                text = item.content[0].text
+                assert text not in item.encrypted_content and item.encrypted_content.startswith("lcr1.")
+                back = [{"type": "reasoning", "id": item.id, "summary": [], "encrypted_content": item.encrypted_content},
+                        {"role": "user", "content": "Go on"}]  # fmt: skip
+                items = parse_input(back)
+                open_reasoning(items, Sealer(await store.reasoning_key(), "t"))
+                assert items[0].content[0].text == text  # type: ignore[union-attr]
+                assert (await svc.create("t", body | {"input": back})).status in ("completed", "incomplete")
+                forged = [{**back[0], "encrypted_content": item.encrypted_content[:-4] + "AAAA"}, back[1]]
+                for tenant, sent in (("t", forged), ("other", back)):
+                    with pytest.raises(InvalidParam) as e:
+                        await svc.create(tenant, body | {"input": sent})
+                    assert e.value.param == "input[0].encrypted_content"
             finally:
                 await store.close()
 
