@@ -51,7 +51,9 @@ class Sealer:
             plain = self._aead.decrypt(raw[:12], raw[12:], self._aad)
             return msgspec.json.decode(plain, type=_Sealed).text
         except (binascii.Error, ValueError, InvalidTag, msgspec.DecodeError, msgspec.ValidationError):
-            raise ValueError("the encrypted content does not authenticate: not sealed by this server for this key")
+            raise ValueError(
+                "the encrypted content does not authenticate: not sealed by this server for this tenant"
+            ) from None
 
 
 def open_reasoning(items: list[Item], sealer: Sealer) -> None:
