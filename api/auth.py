@@ -18,7 +18,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from litestar import Request
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
@@ -115,7 +114,7 @@ def auth_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandl
     connection.state.tenant = tenant
 
 
-def tenant(request: Request[Any, Any, Any]) -> str:
+def tenant(request: ASGIConnection[Any, Any, Any, Any]) -> str:
     """The tenant `auth_guard` found for this request."""
     value: str = getattr(request.state, "tenant", DEFAULT_TENANT)
     return value

@@ -48,7 +48,7 @@ def body_limit(max_bytes: int) -> Callable[[ASGIApp], ASGIApp]:
             if drained > DRAIN_BYTES:
                 headers.append((b"connection", b"close"))
             await send({"type": "http.response.start", "status": 413, "headers": headers})  # type: ignore[arg-type]
-            await send({"type": "http.response.body", "body": body})
+            await send({"type": "http.response.body", "body": body})  # type: ignore[arg-type]
 
         return middleware
 

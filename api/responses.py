@@ -7,6 +7,7 @@ startup: the store on the server's Redis client, the service, the background wor
     DELETE /v1/responses/{id}              delete
     GET    /v1/responses/{id}/input_items  its input items (after, limit, order)
     POST   /v1/responses/compact           a context as a compaction item and the kept items
+    WS     /v1/responses                   WebSocket mode: `response.create` messages (`api.ws`)
 
 Every call runs as the request's tenant (`api.auth`).
 """
@@ -31,6 +32,7 @@ from api.metrics import METRICS, measured_events
 from api.schemas import Compacted, Deleted, ErrorBody, ItemList
 from api.sse import sse_response
 from api.state import ServerState
+from api.ws import responses_socket
 from sessions.config import ServiceConfig, StoreConfig
 from sessions.items import ItemPage
 from sessions.models import Response
@@ -121,6 +123,7 @@ router = Router(
         cancel_response,
         delete_response,
         input_items,
+        responses_socket,
     ],
     guards=[ready_guard],
 )

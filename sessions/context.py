@@ -23,15 +23,20 @@ class TurnContext(NamedTuple):
     base_version: int | None  # the conversation's version when loaded (None outside one)
 
 
-async def load_context(store: SessionStore, tenant: str, request: ResponseRequest) -> TurnContext:
+async def load_context(
+    store: SessionStore, tenant: str, request: ResponseRequest, history: list[Item] | None = None
+) -> TurnContext:
     """The context `request` continues: its conversation (`conversations.load`), its
-    `previous_response_id` chain (`responses.load_chain`), or nothing.
+    `previous_response_id` chain (`responses.load_chain`), or nothing; `history`, when given, is
+    that chain's items as a WebSocket connection keeps them for a response never stored.
 
     Raises:
         NotFound, ChainTooLong: from the store.
         InvalidParam: the input answers no open call (see `check_backfill`).
     """
-    if request.conversation_id is not None:
+    if history is not None:
+        ctx = TurnContext(list(history), None, None)
+    elif request.conversation_id is not None:
         conv = await store.conversations.load(tenant, request.conversation_id)
         ctx = TurnContext(conv.items, _joined(conv.prompt_ids, conv.output_ids), conv.state.version)
     elif request.body.previous_response_id is not None:

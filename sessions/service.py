@@ -30,6 +30,7 @@ from sessions.errors import Conflict, ContextLengthExceeded, NotFound, RequestIn
 from sessions.event_stream import EventStream, replay, stored_events
 from sessions.events import Event, EventWriter
 from sessions.ids import new_id
+from sessions.items import Item
 from sessions.models import now
 from sessions.output import OutputAssembler
 from sessions.prompt_fit import PromptFitter
@@ -85,8 +86,12 @@ class SessionService:
         tenant: str,
         request: ResponseRequest | CreateResponseBody | bytes | dict[str, Any],
         idempotency_key: str | None = None,
+        history: list[Item] | None = None,
     ) -> Any:
         """Run a response: the final `Response`, or an `EventStream` of its events when it streams.
+
+        `history`: the items of the `previous_response_id` chain, given by a WebSocket connection
+        that holds them for a response that was not stored (`api.ws`).
 
         Raises (before any write or engine call): InvalidParam (400), NotFound (404),
         ConversationBusy and RequestInProgress (409), StoreUnavailable (503).
@@ -101,7 +106,7 @@ class SessionService:
                 return await self._repeat(tenant, first, req.stream)
         try:
             try:
-                plan = await self._plan(tenant, req, undo)
+                plan = await self._plan(tenant, req, undo, history=history)
             except NotFound as e:
                 e.param = _id_param(e, req)
                 raise
@@ -131,7 +136,9 @@ class SessionService:
         await self.store.jobs.enqueue(plan.response.id, plan.tenant)
         return self.stream_events(plan.tenant, plan.response.id) if stream else plan.response
 
-    async def _plan(self, tenant: str, req: ResponseRequest, undo: _Undo, priority: int = 0) -> TurnPlan:
+    async def _plan(
+        self, tenant: str, req: ResponseRequest, undo: _Undo, priority: int = 0, history: list[Item] | None = None
+    ) -> TurnPlan:
         """Every check of step 1 (see the module docstring), and what the turn needs."""
         specs = self._tools(req)
         resp_id = undo.resp_id or new_id("resp")
@@ -141,7 +148,7 @@ class SessionService:
             undo.lease = (req.conversation_id, resp_id, fence)
         sealer = Sealer(await self.store.reasoning_key(), tenant)
         open_reasoning(req.input_items, sealer)
-        ctx = await load_context(self.store, tenant, req)
+        ctx = await load_context(self.store, tenant, req, history)
         keep = asyncio.create_task(self._keep_lease(undo.lease)) if undo.lease is not None else None
         try:  # a summary request can outlast the lease
             prompt, compaction = await self.fitter.fit(tenant, resp_id, req, ctx, specs)

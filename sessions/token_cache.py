@@ -77,6 +77,6 @@ class TokenCache:
         for cut, raw in zip(cuts, values, strict=True):
             if raw:
                 ids = array.array("I")
-                ids.frombytes(raw)
+                ids.frombytes(raw if isinstance(raw, bytes) else raw.encode())
                 out.append((cut, ids.tolist()))
         return out

@@ -74,7 +74,7 @@ class TurnPlan:
     base_version: int | None = None
     forced_ids: list[int] = field(default_factory=list)
     forced_text: str = ""
-    # called with prompt + output ids after a turn that ended normally (`sessions.token_cache`)
+    # called with prompt + output ids after a turn that produced output (`sessions.token_cache`)
     remember: Callable[[list[int]], Awaitable[None]] | None = None
 
 
@@ -162,7 +162,7 @@ class Turn:
             error=ResponseError("server_error", error or "generation failed") if status == "failed" else None,
         )  # fmt: skip
         final = await self._commit(final, output_ids)
-        if p.remember is not None and reason == FinishReason.STOP and final.status == "completed":
+        if p.remember is not None and final.status in ("completed", "incomplete") and output_ids:
             await p.remember([*p.prompt_ids, *output_ids])
         self.result = final
         await self.writer.terminal(final)

@@ -87,7 +87,12 @@ def test_encrypted_reasoning_round_trip(service_parts: tuple[Engine, Tokenizer],
                 assert isinstance(item, Reasoning) and isinstance(item.encrypted_content, str)
                 text = item.content[0].text
                 assert text not in item.encrypted_content and item.encrypted_content.startswith("lcr1.")
-                sealed = {"type": "reasoning", "id": item.id, "summary": [], "encrypted_content": item.encrypted_content}
+                sealed = {
+                    "type": "reasoning",
+                    "id": item.id,
+                    "summary": [],
+                    "encrypted_content": item.encrypted_content,
+                }
                 back = [sealed, {"role": "user", "content": "Go on"}]
                 items = parse_input(back)
                 open_reasoning(items, Sealer(await store.reasoning_key(), "t"))

@@ -169,7 +169,7 @@ def _with_custom(
         return st.StructuralTag(format=calls)
     if text is not None:
         return st.StructuralTag(format=st.OrFormat(elements=[text, calls]))
-    triggers = sorted({fmt.start, custom.OPEN})
+    triggers = [custom.OPEN] + ([fmt.start] if len(tags) > sum(t.kind == "custom" for t in allowed) else [])
     return st.StructuralTag(format=st.TriggeredTagsFormat(triggers=triggers, tags=tags, stop_after_first=single))
 
 
