@@ -16,6 +16,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from tests.structured_demo import compiler, demo_bf16, engine, with_special_marker
+from tools import custom
 from tools.calls import ArgumentsDelta, CallDone, CallStarted, Event, TextDelta, ToolCallParser
 from tools.formats import (
     FORMATS,
@@ -247,3 +248,39 @@ def test_demo_model_calls_declared_tools(demo_gguf: Path) -> None:
         assert isinstance(json.loads(args), dict)
     (text, calls), _ = results["none"]
     assert calls == [] and "<tool_call>" not in text
+
+
+WITH_CUSTOM = [*TOOLS, *parse_tools([{"type": "custom", "name": "apply_patch"}, {"type": "custom", "name": "sql"}])]
+_custom = st.tuples(st.sampled_from(["apply_patch", "sql", "nada"]),
+                    st.text(alphabet=st.sampled_from(list('ab <>/{}"\n_tool')), max_size=14))  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    parts=st.lists(st.one_of(_text, _call, _custom.map(list)), max_size=5),
+    cuts=st.lists(st.integers(0, 400), max_size=8),
+)
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3], ids=lambda f: f.name)
+def test_custom_calls_whatever_the_chunking(fmt: ToolCallFormat, parts: list[Any], cuts: list[int]) -> None:
+    """Custom tools' frames (`tools.custom`) among text and function calls: every chunking gives
+    the events of the unchunked reply; a frame's input comes back exactly."""
+    reply = "".join(p if isinstance(p, str) else custom.render_call(*p) if isinstance(p, list)
+                    else fmt.render_call(*p) + "\n" for p in parts)  # fmt: skip
+
+    def run(chunks: list[str]) -> tuple[str, list[tuple[str, str, str, str | None]]]:
+        ids = itertools.count()
+        p = ToolCallParser(fmt, WITH_CUSTOM, new_id=lambda: f"call_{next(ids)}")
+        events: list[Event] = [e for c in chunks for e in p.feed(c)]
+        return summary(events + p.finish())
+
+    whole = run([reply])
+    chunks = [reply[a:b] for a, b in itertools.pairwise([0, *sorted(c % (len(reply) + 1) for c in cuts), len(reply)])]
+    assert run(chunks) == whole and run(list(reply)) == whole
+    frames = [p for p in parts if isinstance(p, list)]
+    plain = all(custom.CLOSE not in p[1] and "<" not in p[1] for p in frames)
+    if plain and all("<" not in p and "{" not in p for p in parts if isinstance(p, str)):
+        got = [(name, args) for _, name, args, _ in whole[1] if name in ("apply_patch", "sql", "nada")]
+        assert [tuple(p) for p in frames] == got
+        for (name, _), error in zip(frames, [e for _, n, _, e in whole[1] if n in ("apply_patch", "sql", "nada")],
+                                    strict=True):  # fmt: skip
+            assert (error == "custom tool 'nada' is not declared") == (name == "nada")
