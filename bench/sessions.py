@@ -8,6 +8,11 @@ planning (to `response.created`: Redis reads, rendering, tokenizing, grammar, en
 tail (last output event to the terminal event: the commit, plus decoding the call's end marker or
 the end-of-sequence token). Redis bytes per conversation: state keys and KV pages.
 
+(f), `bench/sess_codex.py`: a Codex-shaped session (the CLI's recorded first request, ~10k tokens
+of instructions and tools, then `--codex-turns` turns each re-sending the whole history with
+`store: false`), on a server with the YaRN override: per turn the cached share of the prompt and
+TTFT against a cold prefill of the same prompt (targets: >= 95% cached, TTFT <= 0.2x cold).
+
 (e), `bench/sess_spill.py`: `--convs` conversations of `--conv-tokens` tokens interleaved
 round-robin, with a device pool sized for `--device-convs` of them and a host tier for
 `--host-convs` (fewer than all), so the rest come back from Redis: TTFT p50/p95 per round against
@@ -17,7 +22,7 @@ Both run on their own `redis-server` (unix socket, removed afterwards) and `long
 subprocesses from this checkout. Prints tables with the load average and writes JSON to
 bench/results/sessions.json.
 
-    python bench/sessions.py [--quick] [--only agent|spill] [--turns 20] [--convs 100]
+    python bench/sessions.py [--quick] [--only agent|spill|codex] [--turns 20] [--convs 100]
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ sys.path.insert(1, str(ROOT / "bench"))
 RESULTS = ROOT / "bench" / "results"
 
 from sess_agent import print_agent, run_agent  # noqa: E402
+from sess_codex import print_codex, run_codex  # noqa: E402
 from sess_common import loadavg  # noqa: E402
 from sess_spill import print_spill, run_spill, summarize_spill  # noqa: E402
 
@@ -41,7 +47,9 @@ from sess_spill import print_spill, run_spill, summarize_spill  # noqa: E402
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short run: 6 turns; 8 conversations of 1k, 2 on device")
-    ap.add_argument("--only", choices=["agent", "spill"], default=None)
+    ap.add_argument("--only", choices=["agent", "spill", "codex"], default=None)
+    ap.add_argument("--codex-turns", type=int, default=10, help="turns of (f)")
+    ap.add_argument("--codex-cold", default="2,3,4,5,6,7,8,9,10", help="turns of (f) also prefilled cold")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--turns", type=int, default=20)
@@ -60,6 +68,8 @@ def parse() -> argparse.Namespace:
         a.turns, a.restart_at = 6, 5
         a.convs, a.conv_tokens, a.device_convs, a.host_convs, a.rounds = 8, 1000, 2, 3, 1
         a.spill_output_tokens = 4
+        a.codex_turns, a.codex_cold = 4, "2,4"
+    a.codex_cold = {int(t) for t in str(a.codex_cold).split(",") if t}
     return a
 
 
@@ -75,6 +85,9 @@ def main() -> None:
         if a.only in (None, "agent"):
             out["agent"] = agent = run_agent(gguf, url, logs, a)
             out["loadavg_agent"] = loadavg()
+        if a.only in (None, "codex"):
+            out["codex"] = run_codex(gguf, url, logs, a)
+            out["loadavg_codex"] = loadavg()
         if a.only in (None, "spill"):
             spill = run_spill(gguf, url, logs, a)
             out["spill"] = {**spill, "summary": summarize_spill(spill)}
@@ -82,11 +95,16 @@ def main() -> None:
     if "agent" in out:
         print_agent(agent)
         print(f"load average after: {out['loadavg_agent']}")
+    if "codex" in out:
+        print_codex(out["codex"])  # type: ignore[arg-type]
+        print(f"load average after: {out['loadavg_codex']}")
     if "spill" in out:
         print_spill(out["spill"]["summary"])  # type: ignore[index]
         print(f"load average after: {out['loadavg_spill']}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "sessions-quick.json" if a.quick else "sessions.json"
+    if a.only is not None:
+        name = name.replace(".json", f"-{a.only}.json")
     (RESULTS / name).write_text(json.dumps(out, indent=2))
 
 
