@@ -6,7 +6,8 @@ does not depend on the chunking: the same text gives the same calls and the same
 whether it arrives a character, a token or several calls at a time. Arguments are streamed as the
 raw JSON text of the call's arguments value, so the concatenated deltas equal `CallDone.arguments`
 exactly (no re-serialisation). A marker prefix at the end of a chunk is held back until the next
-chunk decides whether it opens a call.
+chunk decides whether it opens a call. A custom tool's frame (`tools.custom`) is a second
+marker, watched when such a tool is declared; its input streams as `ArgumentsDelta`s.
 
 Two rules for the text around calls. Text that only looked like a call (a marker, then something
 no call starts with) comes back as text byte for byte: the attempt's first character is text and
@@ -19,50 +20,17 @@ back unchanged.
 
 from __future__ import annotations
 
-import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import NamedTuple
 
 from tools import custom
+from tools.call_events import ArgumentsDelta, CallDone, CallStarted, Event, TextDelta, new_call_id
 from tools.call_object import CallObject, Scan
 from tools.custom import CustomCallReader, Read
 from tools.formats import ToolCallFormat
 from tools.schema import ArgumentsInvalid, ToolSpec, validate_arguments
-
-
-class TextDelta(NamedTuple):
-    text: str
-
-
-class CallStarted(NamedTuple):
-    call_index: int
-    id: str
-    name: str
-
-
-class ArgumentsDelta(NamedTuple):
-    call_index: int
-    delta: str
-
-
-class CallDone(NamedTuple):
-    """A finished call; `error` (naming the tool and JSON path) when it is unknown or its arguments invalid."""
-
-    call_index: int
-    id: str
-    name: str
-    arguments: str
-    error: str | None = None
-
-
-Event = TextDelta | CallStarted | ArgumentsDelta | CallDone
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class _S(Enum):
@@ -100,8 +68,6 @@ class ToolCallParser:
         has_custom = any(t.kind == "custom" for t in tools or [])
         self._markers = (fmt.start, custom.OPEN) if has_custom else (fmt.start,)
         self._custom: CustomCallReader | None = None
-        self._custom_id = ""
-        self._custom_input: list[str] = []
         self._new_id = new_id
         self._state = _S.TEXT
         self._held = ""  # TEXT: a possible marker prefix; OPEN: the text since the marker; AFTER: since the call
@@ -225,11 +191,10 @@ class ToolCallParser:
             self._custom = None
             self._bail()
         elif read is Read.STARTED:
-            self._custom_id, self._custom_input = self._new_id(), []
-            self._emit(CallStarted(self._index, self._custom_id, reader.name))
+            reader.id = self._new_id()
+            self._emit(CallStarted(self._index, reader.id, reader.name))
         elif read is Read.BODY:
             if delta := reader.take():
-                self._custom_input.append(delta)
                 self._emit(ArgumentsDelta(self._index, delta))
         elif read is Read.CLOSED:
             self._finish_custom(reader, reader.take(), None)
@@ -247,14 +212,12 @@ class ToolCallParser:
 
     def _finish_custom(self, reader: CustomCallReader, last: str, error: str | None) -> None:
         if last:
-            self._custom_input.append(last)
             self._emit(ArgumentsDelta(self._index, last))
         if error is None and self.tools is not None:
             tool = self.tools.get(reader.name)
             if tool is None or tool.kind != "custom":
                 error = f"custom tool {reader.name!r} is not declared"
-        text = "".join(self._custom_input)
-        self._emit(CallDone(self._index, self._custom_id, reader.name, text, error))
+        self._emit(CallDone(self._index, reader.id, reader.name, "".join(reader.input), error))
         self._index += 1
         self._custom, self._attempt, self._after_call, self._state = None, [], True, _S.TEXT
 

@@ -116,6 +116,8 @@ class CustomCallReader:
     what is known to be input)."""
 
     def __init__(self) -> None:
+        self.id = ""  # the call's id, once it has begun
+        self.input: list[str] = []  # all the input handed out by `take` and `rest`
         self.name = ""
         self._quoted = False  # the name's closing quote was read
         self._body: list[str] = []
@@ -150,12 +152,15 @@ class CustomCallReader:
         """The input read since the last `take` (without any held closing-tag prefix)."""
         out = "".join(self._body)
         self._body.clear()
+        self.input.append(out)
         return out
 
     def rest(self) -> str:
         """At the end of the reply: what was held back is input after all."""
         held, self._held = self._held, ""
-        return self.take() + held
+        out = self.take() + held
+        self.input.append(held)
+        return out
 
 
 def _partial(text: str) -> int:
