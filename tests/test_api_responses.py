@@ -87,7 +87,7 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
 
 def test_errors_are_openai_error_objects(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="demo", input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+        client.responses.create(model="demo", input="x", tools=[{"type": "oracle"}])  # type: ignore[list-item]
     assert e.value.body["param"] == "tools[0].type"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_unknown")
