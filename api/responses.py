@@ -151,7 +151,8 @@ def setup(state: ServerState) -> None:
         o = state.options
         store = SessionStore(state.redis, StoreConfig(prefix=o.redis_prefix, state_ttl_s=o.state_ttl_s))
         await store.check_server()
-        await store.compaction_secret()  # made at start, so that no request writes it
+        await store.compaction_secret()  # made at start, so that no request writes them
+        await store.reasoning_key()
         tok = state.loaded.tokenizer
         fmt = detect_format(tok) if o.tool_call_format == "auto" else resolve_format(o.tool_call_format)
         name = o.served_model_name or state.loaded.source.name

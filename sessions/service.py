@@ -30,7 +30,7 @@ from sessions.errors import Conflict, ContextLengthExceeded, NotFound, RequestIn
 from sessions.event_stream import EventStream, replay, stored_events
 from sessions.events import Event, EventWriter
 from sessions.ids import new_id
-from sessions.items import Item
+from sessions.items import Item, Reasoning
 from sessions.models import now
 from sessions.output import OutputAssembler
 from sessions.prompt_fit import PromptFitter
@@ -146,8 +146,11 @@ class SessionService:
         if req.conversation_id is not None:
             fence = await self.store.conversations.acquire_lease(tenant, req.conversation_id, resp_id)
             undo.lease = (req.conversation_id, resp_id, fence)
-        sealer = Sealer(await self.store.reasoning_key(), tenant)
-        open_reasoning(req.input_items, sealer)
+        seal = "reasoning.encrypted_content" in (req.body.include or [])
+        sealer = None
+        if seal or any(isinstance(i, Reasoning) and isinstance(i.encrypted_content, str) for i in req.input_items):
+            sealer = Sealer(await self.store.reasoning_key(), tenant)
+            open_reasoning(req.input_items, sealer)
         ctx = await load_context(self.store, tenant, req, history)
         keep = asyncio.create_task(self._keep_lease(undo.lease)) if undo.lease is not None else None
         try:  # a summary request can outlast the lease
@@ -164,7 +167,7 @@ class SessionService:
         parser = ToolCallParser(self.tool_format, specs) if specs and req.tool_choice != "none" else None
         splitter = ReasoningSplitter(self.reasoning, self.reasoning and opens_in_reasoning(prompt.text))
         assembler = OutputAssembler(writer, parser, splitter)
-        if "reasoning.encrypted_content" in (req.body.include or []):
+        if seal and sealer is not None:
             assembler.seal = sealer.seal
         if compaction is not None:  # the first output item; `Turn.run` emits its events
             assembler.items.append(compaction)
