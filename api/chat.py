@@ -166,7 +166,7 @@ async def plan(svc: SessionService, body: dict[str, Any]) -> ChatPlan:
     seed = _int(body, "seed", -(2**63))
     asked_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     asked = _int(body, asked_name, 1)
-    temperature = _number(body, "temperature", 0, 2, 1.0)
+    temperature = _number(body, "temperature", 0, 2, svc.config.temperature)
     top_p = _number(body, "top_p", 0, 1, 1.0)
     presence = _number(body, "presence_penalty", -2, 2, 0.0)
     frequency = _number(body, "frequency_penalty", -2, 2, 0.0)

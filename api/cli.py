@@ -38,6 +38,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace-s", type=float, default=10, help="on SIGTERM: seconds streams may take to finish")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=8 << 20, help="largest request body (over: 413)")
     p.add_argument(
+        "--override-generation-config", default=None, metavar="JSON",
+        help='sampling defaults for requests that give none, e.g. \'{"temperature": 0}\' (temperature, top_p)',
+    )  # fmt: skip
+    p.add_argument(
         "--hosted-tools", default="ignore", choices=["ignore", "reject"],
         help="hosted tools (web_search, ...) in a request: ignore (not offered to the model, echoed) or reject (400)",
     )  # fmt: skip

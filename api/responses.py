@@ -156,7 +156,10 @@ def setup(state: ServerState) -> None:
         tok = state.loaded.tokenizer
         fmt = detect_format(tok) if o.tool_call_format == "auto" else resolve_format(o.tool_call_format)
         name = o.served_model_name or state.loaded.source.name
-        config = ServiceConfig(model=name, max_output_tokens=o.max_output_tokens, hosted_tools=o.hosted_tools)  # type: ignore[arg-type]
+        config = ServiceConfig(
+            model=name, max_output_tokens=o.max_output_tokens, hosted_tools=o.hosted_tools,  # type: ignore[arg-type]
+            **o.generation,
+        )  # fmt: skip
         svc = state.extras["sessions"] = SessionService(state.engine, store, tok, state.grammar, fmt, config)
         svc.waiting = tenant_queue(state)  # foreground responses count as their tenant's waiting requests
         if o.background_workers:

@@ -38,6 +38,7 @@ from api.app import MAX_BODY_BYTES, create_app
 from api.managed_redis import INSTALL_HINT, ManagedRedis, cache_args, state_args
 from api.model_load import ModelLoad, load_model
 from api.state import ServeOptions, ServerState
+from sessions.config import generation_defaults
 
 if TYPE_CHECKING:
     from engine.verify.self_check import CompileReport
@@ -283,6 +284,7 @@ def run(
         tool_call_format=args.tool_call_format,
         shutdown_grace_s=getattr(args, "shutdown_grace_s", 10),
         hosted_tools=getattr(args, "hosted_tools", "ignore"),
+        generation=generation_defaults(getattr(args, "override_generation_config", None)),
     )
     state = ServerState(options)
     try:

@@ -43,6 +43,7 @@ class ServeOptions:
         tool_call_format: `auto` (from the chat template) or a format name (`tools.formats`).
         shutdown_grace_s: on SIGTERM, how long streams and background jobs may take to finish.
         hosted_tools: `--hosted-tools` (`sessions.config.ServiceConfig`).
+        generation: default `temperature` / `top_p` of requests that give none.
     """
 
     redis_url: str
@@ -54,6 +55,7 @@ class ServeOptions:
     tool_call_format: str = "auto"
     shutdown_grace_s: float = 10.0
     hosted_tools: str = "ignore"
+    generation: dict[str, float] = field(default_factory=dict)  # `--override-generation-config`
 
     def __post_init__(self) -> None:
         if not self.redis_prefix or any(c.isspace() for c in self.redis_prefix):

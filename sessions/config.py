@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,17 +48,48 @@ class ServiceConfig:
     lease_renew_s: how often a running turn renews its conversation's lease.
     hosted_tools: what a hosted tool (`web_search`, ...) gets (`--hosted-tools`): `ignore` (not
         offered to the model, echoed in the response) or `reject` (400 naming `tools[i].type`).
+    temperature, top_p: what a request that gives none samples with (`--override-generation-config`,
+        vLLM's flag): clients such as the Codex CLI send no temperature, and a small model
+        sampled at 1.0 may never end its reply.
     """
 
     model: str = "longctx"
     max_output_tokens: int = 4096
     lease_renew_s: float = 10.0
     hosted_tools: Literal["ignore", "reject"] = "ignore"
+    temperature: float = 1.0
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_output_tokens < 1:
             raise ValueError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
+        if not 0 <= self.temperature <= 2 or not 0 < self.top_p <= 1:
+            raise ValueError(f"default temperature must be in [0, 2] and top_p in (0, 1], got {self.temperature}, "
+                             f"{self.top_p}")  # fmt: skip
         if self.hosted_tools not in ("ignore", "reject"):
             raise ValueError(f"hosted_tools must be ignore or reject, got {self.hosted_tools!r}")
         if self.lease_renew_s <= 0:
             raise ValueError(f"lease_renew_s must be > 0, got {self.lease_renew_s}")
+
+
+GENERATION_KEYS = ("temperature", "top_p")
+
+
+def generation_defaults(text: str | None) -> dict[str, float]:
+    """`--override-generation-config JSON` as ServiceConfig fields; ValueError naming a bad key."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--override-generation-config: not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--override-generation-config: expected a JSON object")
+    for key, v in value.items():
+        if key not in GENERATION_KEYS:
+            raise ValueError(
+                f"--override-generation-config: {key}: not supported; supported: {', '.join(GENERATION_KEYS)}"
+            )
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ValueError(f"--override-generation-config: {key}: expected a number, got {v!r}")
+    return {k: float(v) for k, v in value.items()}

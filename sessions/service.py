@@ -98,6 +98,10 @@ class SessionService:
         """
         req = request if isinstance(request, ResponseRequest) else decode_request(request)
         check_model(req.body.model, self.config.model, required=False)
+        if req.body.temperature is None:  # the server's defaults (`--override-generation-config`)
+            req.body.temperature = self.config.temperature
+        if req.body.top_p is None:
+            req.body.top_p = self.config.top_p
         undo = _Undo(self.store, tenant)
         turn: Turn | None = None
         if idempotency_key is not None and req.store:

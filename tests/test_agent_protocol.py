@@ -26,7 +26,8 @@ DATA = Path(__file__).parent / "data" / "codex"
 YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
         "max_position_embeddings": 32768}  # fmt: skip
 ARGS = ("--threads", "2", "--kv-cache-bytes", "768MiB", "--max-output-tokens", "40", "--background-workers", "1",
-        "--served-model-name", "demo", "--hf-overrides", json.dumps(YARN))  # fmt: skip
+        "--served-model-name", "demo", "--hf-overrides", json.dumps(YARN),
+        "--override-generation-config", '{"temperature": 0}')  # fmt: skip
 GREEDY: dict[str, Any] = {"temperature": 0, "max_output_tokens": 12}
 ENDED = ("response.completed", "response.incomplete")  # a reply may reach the output cap
 AUTH = {"authorization": f"Bearer {TEST_KEY}"}
@@ -93,6 +94,7 @@ def test_codex_first_request_over_raw_http_then_resent_whole(server: Server) -> 
     space = next(t for t in final["tools"] if t["type"] == "namespace")
     assert space["name"] == "multi_agent_v1" and space["tools"][0]["name"] == "close_agent"
     assert final["store"] is False and final["prompt_cache_key"] == body["prompt_cache_key"]
+    assert final["temperature"] == 0  # Codex sends none: the server's default (--override-generation-config)
     assert final["reasoning"] == {"effort": "low", "summary": "auto"} and final["usage"]["input_tokens"] > 8192
     # the next turn, as `codex exec resume` sends it: the whole history again, store false
     body["input"] += [*final["output"], {"type": "message", "role": "user",

@@ -11,6 +11,7 @@ import pytest
 from engine.loading.overrides import BadOverride, apply_overrides, fingerprint, parse_overrides
 from engine.loading.tokenizer import CHATML, NoChatTemplate, Tokenizer
 from engine.model.config import ModelConfig
+from sessions.config import generation_defaults
 from sessions.render import render_text
 from tests.structured_demo import compiler
 from tools.prompt import render_prompt
@@ -81,3 +82,10 @@ def test_chat_template_choices(demo_gguf: Path, tmp_path: Path, caplog: pytest.L
     assert e.value.param == "model" and "'demo'" in str(e.value)
     with pytest.raises(ValueError, match="cannot read"):
         _demo_tokenizer(demo_gguf).use_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_generation_defaults_name_a_bad_key() -> None:
+    assert generation_defaults(None) == {} and generation_defaults('{"temperature": 0}') == {"temperature": 0.0}
+    for bad, word in (('{"top_k": 5}', "top_k"), ('{"temperature": "hot"}', "temperature"), ("[0]", "object")):
+        with pytest.raises(ValueError, match=word):
+            generation_defaults(bad)

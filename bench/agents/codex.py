@@ -7,7 +7,9 @@ from `/metrics` around each. Run on demand (not part of `make test`):
 It installs `@openai/codex@0.169.0` with npm under `bench/agents/.npm/` when no such `codex` is
 found, starts the server with the YaRN override at 32k (Codex's first prompt is about 10k
 tokens, more than the demo model's 8,192), writes the `config.toml` a user would write into a
-temporary `CODEX_HOME`, and checks: both turns exit 0 with no ERROR line, and the resumed turn
+temporary `CODEX_HOME`, gives requests that send no temperature (Codex sends none) the server
+default `--temperature` (greedy unless told: the demo model sampled at 1.0 rambles past any
+output cap, which Codex reports as an error), and checks: both turns exit 0 with no ERROR line, and the resumed turn
 has >= 80% of its prompt cached. Prints a table, writes `bench/results/codex.json`.
 """
 
@@ -98,7 +100,9 @@ def turn(codex: Path, args: list[str], env: dict[str, str], cwd: Path, port: int
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--port", type=int, default=8011)
-    ap.add_argument("--max-output-tokens", type=int, default=256)
+    ap.add_argument("--max-output-tokens", type=int, default=512)
+    ap.add_argument("--temperature", type=float, default=0.0, help="the server's default (Codex sends none)")
+    ap.add_argument("--serve-args", nargs="*", default=[], help="more `serve` flags, e.g. --dtype float32")
     args = ap.parse_args()
     codex = codex_binary()
     work = Path(tempfile.mkdtemp(prefix="codex-work-"))
@@ -108,7 +112,9 @@ def main() -> int:
     env = {**os.environ, "CODEX_HOME": str(home), "LONGCTX_API_KEY": "none"}
     serve = [str(ROOT / ".venv" / "bin" / "longctx"), "serve", "--model", "smollm2-135m-instruct", "--port",
              str(args.port), "--served-model-name", "demo", "--hf-overrides", json.dumps(YARN), "--max-model-len",
-             "32768", "--max-output-tokens", str(args.max_output_tokens), "--kv-cache-bytes", "2GiB"]  # fmt: skip
+             "32768", "--max-output-tokens", str(args.max_output_tokens), "--kv-cache-bytes", "2GiB",
+             "--override-generation-config", json.dumps({"temperature": args.temperature}),
+             *args.serve_args]  # fmt: skip
     log = open(work / "serve.log", "wb")  # noqa: SIM115
     server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
     try:
