@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -102,7 +103,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--max-output-tokens", type=int, default=512)
     ap.add_argument("--temperature", type=float, default=0.0, help="the server's default (Codex sends none)")
-    ap.add_argument("--serve-args", nargs="*", default=[], help="more `serve` flags, e.g. --dtype float32")
+    ap.add_argument("--serve-args", default="", help="more `serve` flags, e.g. --serve-args='--dtype float32'")
     args = ap.parse_args()
     codex = codex_binary()
     work = Path(tempfile.mkdtemp(prefix="codex-work-"))
@@ -114,7 +115,7 @@ def main() -> int:
              str(args.port), "--served-model-name", "demo", "--hf-overrides", json.dumps(YARN), "--max-model-len",
              "32768", "--max-output-tokens", str(args.max_output_tokens), "--kv-cache-bytes", "2GiB",
              "--override-generation-config", json.dumps({"temperature": args.temperature}),
-             *args.serve_args]  # fmt: skip
+             *shlex.split(args.serve_args)]  # fmt: skip
     log = open(work / "serve.log", "wb")  # noqa: SIM115
     server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
     try:
