@@ -8,6 +8,8 @@ are validated against the same schema; a failure names the tool and the JSON pat
 
 Tools come in either API's shape: Chat Completions' `{"type": "function", "function": {...}}` or
 the Responses API's flat `{"type": "function", "name", "description", "parameters", "strict"}`.
+The Responses API adds custom tools (free-text input, `tools.custom`), namespace tools (their
+tools offered as `namespace.name`) and hosted tools (`HOSTED_TOOLS`: left out or refused).
 Every error about a request is an `InvalidRequest` whose `param` is the offending field's path in
 that request (`tools[2].parameters`, `tool_choice`, `text.format.schema`), so that the HTTP layer
 maps all of them to one 400 with `param`.
