@@ -69,7 +69,7 @@ def parse() -> argparse.Namespace:
         a.convs, a.conv_tokens, a.device_convs, a.host_convs, a.rounds = 8, 1000, 2, 3, 1
         a.spill_output_tokens = 4
         a.codex_turns, a.codex_cold = 4, "2,4"
-    a.codex_cold = {int(t) for t in str(a.codex_cold).split(",") if t}
+    a.codex_cold = sorted({int(t) for t in str(a.codex_cold).split(",") if t})
     return a
 
 
