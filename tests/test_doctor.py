@@ -222,6 +222,20 @@ def test_serving_stage_names_the_layer_and_bucket_of_a_served_only_fault(llama: 
     assert ok.data["buckets"] == [1, 4, 16] and ok.data["agreement"]["decided"] >= 0.95, ok.data["agreement"]
 
 
+def test_a_base_model_runs_the_generation_stage(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A checkpoint without a chat template: the generation stage renders with the built-in ChatML
+    (as `serve` does, with its warning) and says so, instead of failing in the template."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_dirs["llama"], base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    st = run_doctor(str(base), DoctorOptions(stages=("generation",)), echo=False).stage("generation")
+    assert st.status == "warn" and st.first("warn") == "the tokenizer has no chat template; prompts are raw text"
+    assert any("built-in ChatML" in r for r in st.reasons), st.reasons
+
+
 def test_one_layer_far_off_its_siblings_warns() -> None:
     def stats(layer: int, std: float) -> TensorStats:
         return TensorStats(f"model.layers.{layer}.self_attn.q_proj.weight", (4, 4), "float32", "f", 64, 0, std, 1, 0, 0)

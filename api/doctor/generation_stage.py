@@ -146,8 +146,7 @@ def _check_tool_call(ctx: DoctorContext, engine: Engine, st: StageResult, rows: 
 
     tok = ctx.loaded.tokenizer
     if not tok.chat_template:
-        st.note("tool call not checked: the checkpoint has no chat template (a base model) to render tools with")
-        return
+        st.note("no chat template (a base model): the tool call is rendered with the built-in ChatML, as serve does")
     compiler = ctx.extras["compiler"]
     tools = parse_tools(TOOLS)
     fmt = detect_format(tok)
