@@ -27,6 +27,12 @@ class _Loading(NamedTuple):
     fetch: PendingFetch
     deadline: float  # time.monotonic() after which the fetch counts as a miss
     start: int  # index in the request's page hashes of the first hash the fetch was given
+    pages: list[int] | None = None  # device pages taken for the fetch when it started (no window)
+
+
+READY = "ready"  # matched (and restored what was at hand): try to admit it now
+PARKED = "parked"  # a fetch runs: the request waits in `loading`
+BLOCKED = "blocked"  # no room yet to restore its pages: it waits at the head, nothing fetched
 
 
 class PrefixLookup:
@@ -44,8 +50,14 @@ class PrefixLookup:
     _named: dict[Request, int]
     _looked_up: set[Request]
     _salts: OrderedDict[str, bytes]
+    _pinned: dict[Request, None]  # waiting requests holding their matched and restored pages
+    max_pinned_pages: int
+    _promised: int  # free pages the running prefills will take for the rest of their prompts
 
     def _release(self, req: Request) -> None:  # the Scheduler's: free the pages, forget the progress
+        raise NotImplementedError
+
+    def _others_busy(self, req: Request) -> bool:  # the Scheduler's: anything but `req` holds pages
         raise NotImplementedError
 
     def _page_hashes(self, req: Request, num_pages: int) -> list[bytes]:
@@ -77,33 +89,91 @@ class PrefixLookup:
             return 0
         return max(0, position - self.window + 1) // self.page_size
 
-    def _match_prefix(self, req: Request) -> bool:
-        """Share the request's cached pages; returns True when it is parked for a fetch."""
-        assert not req.pages and req.num_computed == 0
+    def _match_prefix(self, req: Request) -> str:
+        """Share the request's cached pages and start its lookup: `READY` (try to admit it now),
+        `PARKED` (a fetch runs: it waits in `loading`) or `BLOCKED` (the pool has no room yet
+        for the pages it would restore: nothing is fetched, it waits at the head)."""
         if self.namespace is None:
-            return False
+            return READY
         limit = max_cached_pages(req.num_tokens, self.page_size)
         hashes = self._page_hashes(req, limit)
         if self.window is not None:
-            return self._match_tail(req, hashes, limit)
-        req.pages = PageTable(self.pool.match(hashes[:limit]))
+            assert not req.pages and req.num_computed == 0
+            return PARKED if self._match_tail(req, hashes, limit) else READY
+        held = len(req.pages)  # a pinned request's pages: match on after them
+        if held < limit:
+            more = self.pool.match(hashes[held:limit])
+            if more:
+                req.pages.append(more)
+                self.connector.touch(hashes[held : held + len(more)], more)
         found = len(req.pages)
-        if found:
-            self.connector.touch(hashes[:found], list(req.pages))
         req.num_computed = found * self.page_size
         self._named[req] = found
         if req in self._looked_up or found >= limit:
-            return False
-        self._looked_up.add(req)
+            return READY
         n = limit - found
+        room = self._lookup_room(req, n)
+        if room is None:
+            return BLOCKED
+        self._looked_up.add(req)
+        if room == 0:
+            return READY
         cost = self.connector.fetch_cost_s(n)
         remote, wait = lookup_plan(cost, self.recompute_s(n * self.page_size), self.lookup_timeout_s)
-        fetch = self.connector.fetch(hashes[found:limit], remote=remote)
-        if fetch is not None and not fetch.ready():
-            self.loading.append(_Loading(req, fetch, time.monotonic() + wait, found))
-            return True
-        self._complete(req, fetch, expired=False, start=found)
-        return False
+        fetch = self.connector.fetch(hashes[found : found + room], remote=remote)
+        if fetch is None:
+            return READY
+        if fetch.ready():  # what was at hand (host memory): exactly the pages that came back
+            self._complete(req, fetch, expired=False, start=found, cap=room)
+            return READY
+        # The fetch's pages are taken now: nothing else can reclaim them before it is admitted.
+        self.loading.append(_Loading(req, fetch, time.monotonic() + wait, found, self.pool.allocate(room)))
+        return PARKED
+
+    def _lookup_room(self, req: Request, n: int) -> int | None:
+        """How many of the `n` pages after a request's cached ones its lookup may take: all `n`
+        when the pool has them free (beyond what running prefills will take) and the pages held
+        for waiting and loading requests stay within `max_pinned_pages`; what is free when
+        nothing else holds pages; else None (wait: restoring now would only push pages out
+        that others, or itself, need)."""
+        free = self.pool.num_free
+        if not self._others_busy(req):
+            return min(n, free)
+        held = sum(r.pages.num_live for r in self._pinned if r is not req)
+        held += sum(item.request.pages.num_live + len(item.pages or ()) for item in self.loading)
+        within = not held or held + req.pages.num_live + n <= self.max_pinned_pages
+        if n <= free - self._promised and within:
+            return n
+        return None
+
+    def _hold(self, req: Request) -> None:
+        """A waiting request that cannot be admitted yet keeps its pages (pinned) while the pages
+        held for waiting and loading requests stay within `max_pinned_pages`: pages it keeps
+        cannot be reclaimed by others before it runs. Past the budget it keeps its leading pages
+        that fit and releases the rest (named, revivable)."""
+        if self.window is not None or not req.pages:
+            self._release(req)
+            return
+        held = sum(r.pages.num_live for r in self._pinned if r is not req)
+        held += sum(item.request.pages.num_live + len(item.pages or ()) for item in self.loading)
+        keep = max(0, min(len(req.pages), self.max_pinned_pages - held))
+        if keep < len(req.pages):
+            pages = req.pages.clear()
+            self.pool.free(pages[keep:])
+            req.pages = PageTable(pages[:keep])
+            req.num_computed = keep * self.page_size
+            self._named[req] = keep
+        if keep:
+            self._pinned[req] = None
+        else:
+            self._release(req)
+
+    def _unpin(self, req: Request) -> None:
+        """A pinned request gives its pages up (named: revivable in the pool, kept by the tiers
+        once reused) and may look its pages up again when it comes to the head."""
+        del self._pinned[req]
+        self._release(req)
+        self._looked_up.discard(req)
 
     def _match_tail(self, req: Request, hashes: list[bytes], limit: int) -> bool:
         """A windowed model's lookup: resume at the furthest point whose window pages are at hand
@@ -157,14 +227,30 @@ class PrefixLookup:
         if req.num_preemptions == 0:
             req.cached_tokens = req.num_computed
 
-    def _complete(self, req: Request, fetch: PendingFetch | None, expired: bool, start: int) -> None:
-        """Load the fetched pages (page hashes `start ..`) and name them in the pool. Without a
-        window they extend the request's pages; with one they are left in the pool (named,
-        revivable) for `_device_tail` to find."""
+    def _complete(
+        self,
+        req: Request,
+        fetch: PendingFetch | None,
+        expired: bool,
+        start: int,
+        pages: list[int] | None = None,
+        cap: int | None = None,
+    ) -> None:
+        """Load the fetched pages (page hashes `start ..`) and name them in the pool, into
+        `pages` (taken when the fetch started; those not filled go back) or into pages taken
+        now (at most `cap`). Without a window they extend the request's pages; with one they
+        are left in the pool (named, revivable) for `_device_tail` to find."""
         if fetch is None:
+            if pages:
+                self.pool.free(pages)
             return
-        n = min(fetch.take(expired), self.pool.num_free)
-        pages = self.pool.allocate(n)
+        arrived = fetch.take(expired)
+        if pages is not None:
+            n = min(arrived, len(pages))
+            self.pool.free(pages[n:])
+            pages = pages[:n]
+        else:
+            pages = self.pool.allocate(min(arrived, self.pool.num_free, arrived if cap is None else cap))
         fetch.load(pages)
         start += fetch.offset  # a tail fetch's pages start inside the hashes it was given
         hashes = self._hashes[req]
