@@ -158,6 +158,7 @@ class PrefixLookup:
         held += sum(item.request.pages.num_live + len(item.pages or ()) for item in self.loading)
         keep = max(0, min(len(req.pages), self.max_pinned_pages - held))
         if keep < len(req.pages):
+            self._looked_up.discard(req)  # what it let go may come back from a tier later
             pages = req.pages.clear()
             self.pool.free(pages[keep:])
             req.pages = PageTable(pages[:keep])

@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,6 +54,63 @@ class Turn:
     request: Request | None = None
 
 
+class _Delayed:
+    """A real fetch that reports ready only after `polls` more polls (a tier's latency)."""
+
+    def __init__(self, fetch: Any, polls: int):
+        self.fetch, self.polls = fetch, polls
+
+    @property
+    def offset(self) -> int:
+        return int(self.fetch.offset)
+
+    def ready(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0 and bool(self.fetch.ready())
+
+    def take(self, expired: bool) -> int:
+        n = int(self.fetch.take(expired))
+        return 0 if expired and self.polls >= 0 else n
+
+    def load(self, pages: list[int]) -> None:
+        self.fetch.load(pages)
+
+
+class DelayedTier:
+    """The real store with a simulated latency: each fetch is ready after `delay()` polls (0: at
+    once, as host memory answers). Lookups are worth waiting for (a cost far below the Sim's
+    recompute)."""
+
+    def __init__(self, store: TieredStore, delay: Callable[[], int]):
+        self.store, self.delay = store, delay
+        self.fetches: list[_Delayed] = []
+
+    def fetch(self, page_hashes: list[bytes], remote: bool = True) -> Any:
+        f = self.store.fetch(page_hashes, remote)
+        if f is None:
+            return None
+        polls = self.delay()
+        if polls == 0:
+            return f
+        self.fetches.append(_Delayed(f, polls))
+        return self.fetches[-1]
+
+    def fetch_tail(self, *args: Any, **kw: Any) -> Any:
+        return self.store.fetch_tail(*args, **kw)
+
+    def fetch_cost_s(self, num_pages: int) -> float:
+        return 1e-6 * num_pages
+
+    def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
+        self.store.save(page_hashes, pages)
+
+    def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
+        self.store.touch(page_hashes, pages)
+
+    def evict(self, evicted: list[tuple[int, bytes]]) -> None:
+        self.store.evict(evicted)
+
+
 @dataclass
 class TierSim:
     num_pages: int
@@ -63,6 +121,7 @@ class TierSim:
     max_num_seqs: int = 64
     recompute_s: Callable[[int], float] = lambda n: n / 1000.0
     lookup_timeout_s: float = 5.0
+    delay: Callable[[], int] | None = None  # a simulated latency (in polls) before each fetch is ready
     scheduler_kw: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -70,12 +129,16 @@ class TierSim:
         codec = PageCodec(SPEC, NS.kv_dtype, NS.key)
         redis = RedisTier(self.redis_url, codec, 3600, self.redis_prefix) if self.redis_url else None
         self.store = TieredStore(self.kv, codec, self.host_bytes, redis)
-        self.pool = BlockPool(self.num_pages, on_evict=self.store.evict)
+        self.connector: TieredStore | DelayedTier = self.store
+        if self.delay is not None:
+            self.connector = DelayedTier(self.store, self.delay)
+        self.pool = BlockPool(self.num_pages, on_evict=self.connector.evict)
         self.sched = Scheduler(
-            self.pool, SPEC.page_size, self.budget, self.max_num_seqs, namespace=NS, connector=self.store,
+            self.pool, SPEC.page_size, self.budget, self.max_num_seqs, namespace=NS, connector=self.connector,
             lookup_timeout_s=self.lookup_timeout_s, recompute_s=self.recompute_s,
             **self.scheduler_kw,  # type: ignore[arg-type]
         )  # fmt: skip
+        self._values: dict[Request, list[int]] = {}
         self.steps = 0
         self.checked_pages = 0
         self.max_running = 0
@@ -92,13 +155,25 @@ class TierSim:
         self.sched.add(req)
         return req
 
+    def values(self, req: Request) -> list[int]:
+        """`prefix_values` of the request's tokens, extended as it grows."""
+        vals = self._values.setdefault(req, [])
+        h = vals[-1] if vals else 0
+        for i in range(len(vals), req.num_tokens):
+            h = (h * 1_000_003 + req.token_at(i) + 1) % MOD
+            vals.append(h)
+        return vals
+
     def run_chunk(self, c: ScheduledChunk, values: list[int]) -> None:
         """Write the chunk's tokens' values into their pages (the 'forward pass')."""
         req, S = c.request, SPEC.page_size
-        for pos in range(req.num_computed, req.num_computed + c.num_tokens):
-            page = req.pages[pos // S]
+        pos, end = req.num_computed, req.num_computed + c.num_tokens
+        while pos < end:
+            stop = min(end, (pos // S + 1) * S)
+            vals = torch.tensor(values[pos:stop], dtype=torch.float32).view(1, -1, 1, 1)
             for layer in self.kv.layers:
-                layer[page, :, pos % S] = float(values[pos])
+                layer[req.pages[pos // S], :, pos % S : pos % S + stop - pos] = vals
+            pos = stop
 
     def check_pages(self, req: Request, values: list[int]) -> None:
         """Every computed token in the request's live pages holds its value (restored or not)."""
@@ -117,7 +192,7 @@ class TierSim:
             req = c.request
             assert req in self.sched.running
             assert len(req.pages) * SPEC.page_size >= req.num_computed + c.num_tokens, f"{req.id} lacks pages"
-            values = prefix_values(req.prompt_ids + req.output_ids)
+            values = self.values(req)
             if req.num_computed and c.num_tokens > 1:  # a restored or resumed prefill: its pages hold its KV
                 self.check_pages(req, values)
             self.run_chunk(c, values)
@@ -131,6 +206,7 @@ class TierSim:
                 if len(req.output_ids) >= req.params.max_tokens:
                     req.finished = True
                     self.sched.finish(req)
+                    self._values.pop(req, None)
         self.steps += 1
         self.max_running = max(self.max_running, len(self.sched.running))
         self.check_refcounts()
