@@ -65,7 +65,7 @@ from typing import NamedTuple
 
 from engine.kv_connector import KVConnector, NoConnector
 from engine.request import Request
-from engine.scheduler_prefix import BLOCKED, PARKED, SALT_CACHE_SIZE, PrefixLookup, _Loading
+from engine.scheduler_prefix import BLOCKED, PARKED, SALT_CACHE_SIZE, UNUSED_REASONS, PrefixLookup, _Loading
 
 __all__ = ["SALT_CACHE_SIZE", "ScheduledChunk", "Scheduler"]
 from kvstore.block_pool import BlockPool
@@ -129,6 +129,8 @@ class Scheduler(PrefixLookup):
         self._pinned: dict[Request, None] = {}  # waiting requests holding their cached pages
         self._promised = 0  # free pages the running prefills will take (set each step)
         self.num_unpinned = 0  # pinned requests that gave their pages up for a running one
+        self._restored: dict[Request, int] = {}  # pages restored from a tier that the request holds
+        self.unused_pages = dict.fromkeys(UNUSED_REASONS, 0)  # restored pages not used, by reason
         self.running: list[Request] = []  # by key: the last is the first to be preempted
         self.loading: list[_Loading] = []  # waiting for pages from the host or Redis tier
         self.num_preemptions = 0
@@ -263,6 +265,7 @@ class Scheduler(PrefixLookup):
         self.pool.free(req.pages.clear())  # named pages stay revivable in the free list
         req.num_computed = 0
         self._named.pop(req, None)
+        self._restored.pop(req, None)
 
     def _poll_loading(self) -> None:
         now = time.monotonic()
@@ -301,11 +304,12 @@ class Scheduler(PrefixLookup):
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-            self._pinned.pop(req, None)
+            if self._pinned.pop(req, 0) is None:  # pinned: what it restored is left unused
+                self.unused_pages["aborted"] += self._restored.get(req, 0)
         for item in self.loading:
             if item.request is req:
                 self.loading.remove(item)
-                item.fetch.take(expired=True)
+                self.unused_pages["aborted"] += item.fetch.take(expired=True)
                 if item.pages:
                     self.pool.free(item.pages)
                 break

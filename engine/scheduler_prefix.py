@@ -8,6 +8,7 @@ a step); nothing here walks a request's pages per step.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -20,6 +21,15 @@ from kvstore.block_pool import BlockPool
 from kvstore.prefix import Namespace, find_tail, hash_page, max_cached_pages
 
 SALT_CACHE_SIZE = 4096  # tenants whose salted namespace digest is kept (LRU)
+# Why pages a tier returned were not used (`longctx:kv_restored_unused_pages_total{reason}`):
+UNUSED_REASONS = (
+    "no_room",  # more arrived than the device pages taken for them
+    "unpinned",  # restored for a waiting request that gave them up for a running one
+    "pin_budget",  # restored for a waiting request past the budget of pinned pages
+    "aborted",  # the request ended while loading or pinned
+)
+
+log = logging.getLogger("longctx.engine.scheduler")
 
 
 class _Loading(NamedTuple):
@@ -53,6 +63,8 @@ class PrefixLookup:
     _pinned: dict[Request, None]  # waiting requests holding their matched and restored pages
     max_pinned_pages: int
     _promised: int  # free pages the running prefills will take for the rest of their prompts
+    _restored: dict[Request, int]  # pages restored from a tier that the request holds
+    unused_pages: dict[str, int]  # restored pages not used, by reason (UNUSED_REASONS)
 
     def _release(self, req: Request) -> None:  # the Scheduler's: free the pages, forget the progress
         raise NotImplementedError
@@ -159,6 +171,10 @@ class PrefixLookup:
         keep = max(0, min(len(req.pages), self.max_pinned_pages - held))
         if keep < len(req.pages):
             self._looked_up.discard(req)  # what it let go may come back from a tier later
+            restored = self._restored.get(req, 0)
+            dropped = min(len(req.pages) - keep, restored)  # restored pages come last
+            self.unused_pages["pin_budget"] += dropped
+            self._restored[req] = restored - dropped
             pages = req.pages.clear()
             self.pool.free(pages[keep:])
             req.pages = PageTable(pages[:keep])
@@ -173,6 +189,7 @@ class PrefixLookup:
         """A pinned request gives its pages up (named: revivable in the pool, kept by the tiers
         once reused) and may look its pages up again when it comes to the head."""
         del self._pinned[req]
+        self.unused_pages["unpinned"] += self._restored.get(req, 0)
         self._release(req)
         self._looked_up.discard(req)
 
@@ -227,6 +244,15 @@ class PrefixLookup:
             counters.skipped_tokens += req.pages.first * self.page_size  # behind the window: not read
         if req.num_preemptions == 0:
             req.cached_tokens = req.num_computed
+            req.loaded_tokens = self._restored.get(req, 0) * self.page_size
+            req.recomputed_tokens = max(0, len(req.prompt_ids) - req.num_computed)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "request %s admitted: %d prompt tokens, %d cached (%d from the device pool, %d loaded "
+                    "from a tier), %d recomputed; found in the host tier %d, in Redis %d",
+                    req.id, len(req.prompt_ids), req.cached_tokens, req.cached_tokens - req.loaded_tokens,
+                    req.loaded_tokens, req.recomputed_tokens, req.found_host_tokens, req.found_redis_tokens,
+                )  # fmt: skip
 
     def _complete(
         self,
@@ -246,12 +272,16 @@ class PrefixLookup:
                 self.pool.free(pages)
             return
         arrived = fetch.take(expired)
+        from_host, from_remote = fetch.sources()
+        req.found_host_tokens += from_host * self.page_size
+        req.found_redis_tokens += from_remote * self.page_size
         if pages is not None:
             n = min(arrived, len(pages))
             self.pool.free(pages[n:])
             pages = pages[:n]
         else:
             pages = self.pool.allocate(min(arrived, self.pool.num_free, arrived if cap is None else cap))
+        self.unused_pages["no_room"] += arrived - len(pages)
         fetch.load(pages)
         start += fetch.offset  # a tail fetch's pages start inside the hashes it was given
         hashes = self._hashes[req]
@@ -266,6 +296,7 @@ class PrefixLookup:
             self.pool.free(pages)
             return
         req.pages.append(pages)
+        self._restored[req] = self._restored.get(req, 0) + len(pages)
         req.num_computed = len(req.pages) * self.page_size
         self._named[req] = len(req.pages)
 

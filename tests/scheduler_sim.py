@@ -38,6 +38,7 @@ class FakeFetch:
     fail: bool  # the lookup errors out: nothing arrives
     loaded: int = 0
     taken: bool = False
+    took: int = 0
     offset: int = 0
 
     def ready(self) -> bool:
@@ -49,11 +50,15 @@ class FakeFetch:
         self.taken = True
         if self.fail or (expired and self.polls >= 0):
             return 0
+        self.took = self.found
         return self.found
 
     def load(self, pages: list[int]) -> None:
         assert self.taken and len(pages) <= self.found
         self.loaded = len(pages)
+
+    def sources(self) -> tuple[int, int]:
+        return 0, self.took
 
 
 @dataclass

@@ -11,6 +11,7 @@ same ids.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -59,17 +60,33 @@ def _assert_reused(history: list[list[Turn]], share: float = 0.9) -> None:
 
 
 @pytest.mark.parametrize("host", [False, True], ids=["redis", "redis+host"])
-def test_later_turns_find_their_history_under_pressure(kv_redis: tuple[str, str], host: bool) -> None:
+def test_later_turns_find_their_history_under_pressure(
+    kv_redis: tuple[str, str], host: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """Eight conversations of ~300 tokens, a pool of 40 pages (640 tokens: about two
-    conversations): every later turn is served its previous prompt + output from a tier."""
+    conversations): every later turn is served its previous prompt + output from a tier, and
+    says where its tokens came from (per request, and a DEBUG line at admission)."""
     url, prefix = kv_redis
     sim = TierSim(40, 32, host_bytes=64 * PAGE_BYTES if host else 0, redis_url=url, redis_prefix=prefix)
+    caplog.set_level(logging.DEBUG, logger="longctx.engine.scheduler")
     try:
         history = conversation_turns(sim, [_doc(c, 300) for c in range(8)], 3, _new, max_tokens=12)
     finally:
         sim.close()
     _assert_reused(history)
     assert sim.checked_pages > 0
+    later = [t.request for turns in history for t in turns[1:] if t.request is not None]
+    for req in later:
+        assert req.recomputed_tokens == len(req.prompt_ids) - req.cached_tokens
+        assert 0 < req.loaded_tokens <= req.cached_tokens
+        assert req.loaded_tokens <= req.found_host_tokens + req.found_redis_tokens
+    assert sum(r.found_redis_tokens for r in later) > 0
+    if host:
+        assert sum(r.found_host_tokens for r in later) > 0
+    redis = sim.store.redis
+    assert redis is not None and redis.counters.loaded > 0
+    lines = [r.getMessage() for r in caplog.records if "admitted" in r.getMessage()]
+    assert any(f"request {later[0].id} admitted: " in line and "recomputed" in line for line in lines)
 
 
 def test_host_tier_alone_serves_later_turns() -> None:
@@ -155,6 +172,7 @@ def _reuse_under_pressure(sc: Scenario) -> None:
     _assert_reused(history)  # every later turn got >= 90% of its previous prompt + output
     assert sim.pool.num_free == sim.pool.num_pages and not any(sim.pool.ref_counts), "references left"
     assert not sim.sched.has_work and not sim.sched._pinned
+    assert sim.sched.unused_pages["no_room"] == 0  # a fetch asks for no more than it has pages for
     assert isinstance(sim.connector, DelayedTier)
     assert all(f.fetch.payloads is not None and f.fetch.cancel.is_set() for f in sim.connector.fetches)
     STATS["examples"] += 1

@@ -75,6 +75,10 @@ class _Delayed:
     def load(self, pages: list[int]) -> None:
         self.fetch.load(pages)
 
+    def sources(self) -> tuple[int, int]:
+        host, remote = self.fetch.sources()
+        return int(host), int(remote)
+
 
 class DelayedTier:
     """The real store with a simulated latency: each fetch is ready after `delay()` polls (0: at
