@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.redis_server import shared_redis
-from tests.tier_sim import SPEC, DelayedTier, TierSim, Turn, conversation_turns
+from tests.tier_sim import SPEC, DelayedTier, TierSim, Turn, conversation_turns, out_token
 
 PAGE_BYTES = SPEC.bytes_per_page
 
@@ -87,6 +87,25 @@ def test_later_turns_find_their_history_under_pressure(
     assert redis is not None and redis.counters.loaded > 0
     lines = [r.getMessage() for r in caplog.records if "admitted" in r.getMessage()]
     assert any(f"request {later[0].id} admitted: " in line and "recomputed" in line for line in lines)
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["redis", "host"])
+def test_preempted_requests_come_back_restored(kv_redis: tuple[str, str], host: bool) -> None:
+    """Long outputs outgrow a pool admitted by prompts: the newest running request is preempted,
+    its pages freed to the pool (named), the others reuse that memory, and it resumes from its
+    pages (revived, or read back from the host tier or Redis), not from scratch."""
+    url, prefix = kv_redis
+    sim = TierSim(
+        30, 32, host_bytes=200 * PAGE_BYTES if host else 0, redis_url=None if host else url, redis_prefix=prefix
+    )
+    try:
+        reqs = [sim.add(f"r{i}", _doc(i, 150), 100) for i in range(4)]
+        sim.run(reqs, out_token)
+    finally:
+        sim.close()
+    assert sim.sched.num_preemptions > 0 and sim.readmitted, "no request was preempted and resumed"
+    lost = [(rid, at, had) for rid, at, had in sim.readmitted if at < 0.9 * (had - SPEC.page_size)]
+    assert not lost, f"resumed far behind what they had computed (id, resumed at, had): {lost}"
 
 
 def test_host_tier_alone_serves_later_turns() -> None:

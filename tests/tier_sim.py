@@ -143,6 +143,9 @@ class TierSim:
             **self.scheduler_kw,  # type: ignore[arg-type]
         )  # fmt: skip
         self._values: dict[Request, list[int]] = {}
+        self.progress: dict[Request, int] = {}  # tokens computed as of the last step that ran it
+        self._was_running: set[Request] = set()
+        self.readmitted: list[tuple[str, int, int]] = []  # (id, tokens it resumed at, tokens it had computed)
         self.steps = 0
         self.checked_pages = 0
         self.max_running = 0
@@ -201,7 +204,11 @@ class TierSim:
                 self.check_pages(req, values)
             self.run_chunk(c, values)
         for c in chunks:
-            c.request.num_computed += c.num_tokens
+            req = c.request
+            if req.num_preemptions and req not in self._was_running:  # back after a preemption
+                self.readmitted.append((req.id, req.num_computed, self.progress.get(req, 0)))
+            req.num_computed += c.num_tokens
+            self.progress[req] = req.num_computed
         self.sched.computed([c.request for c in chunks])
         for c in chunks:
             if c.sample:
@@ -211,6 +218,7 @@ class TierSim:
                     req.finished = True
                     self.sched.finish(req)
                     self._values.pop(req, None)
+        self._was_running = set(self.sched.running)
         self.steps += 1
         self.max_running = max(self.max_running, len(self.sched.running))
         self.check_refcounts()
