@@ -241,7 +241,7 @@ def main() -> None:
     p.add_argument("--hosts", default="off,on")
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--restore-tokens", type=int, default=2048)
+    p.add_argument("--restore-tokens", type=int, default=2048, help="0: no restore breakdown")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
     p.add_argument("--out", default=str(RESULTS / "pressure.json"))
     a = p.parse_args()
@@ -266,7 +266,7 @@ def main() -> None:
     for c in cells:
         ref = next(r for r in cells if r["factor"] == c["factor"])
         agree[(c["factor"], c["delay_ms"], c["host"])] = c["outputs"] == ref["outputs"]
-    breakdown = [restore_breakdown(lm, tier, a.redis_url, a) for tier in ("host", "redis")]
+    breakdown = [restore_breakdown(lm, tier, a.redis_url, a) for tier in ("host", "redis") if a.restore_tokens]
     print(f"\ncold prefill of a {a.conv_tokens}-token first prompt alone: TTFT {cold * 1000:.0f} ms ({lm.dtype})")
     print(
         "pool  convs  Redis+  host  later turns cached  later TTFT p50 / p95 (x cold)  "
