@@ -159,6 +159,11 @@ class Scheduler(PrefixLookup):
         return bool(self.running or self.loading or any(r is not req for r in self._pinned))
 
     @property
+    def pinned(self) -> list[Request]:
+        """Waiting requests holding pages restored or matched for them."""
+        return list(self._pinned)
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
 

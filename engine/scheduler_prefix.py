@@ -164,6 +164,7 @@ class PrefixLookup:
         cannot be reclaimed by others before it runs. Past the budget it keeps its leading pages
         that fit and releases the rest (named, revivable)."""
         if self.window is not None or not req.pages:
+            self._pinned.pop(req, None)
             self._release(req)
             return
         held = sum(r.pages.num_live for r in self._pinned if r is not req)
@@ -183,6 +184,7 @@ class PrefixLookup:
         if keep:
             self._pinned[req] = None
         else:
+            self._pinned.pop(req, None)
             self._release(req)
 
     def _unpin(self, req: Request) -> None:

@@ -195,7 +195,7 @@ class Sim:
     def check_pool(self) -> None:
         for req in self.sched.waiting:
             assert not req.pages or req in self.sched._pinned, f"waiting {req.id} holds pages unpinned"
-        assert all(r in self.sched.waiting for r in self.sched._pinned), "a pinned request is not waiting"
+        assert all(r in self.sched.waiting and r.pages for r in self.sched._pinned), "pinned: waiting, with pages"
         held = Counter(p for r in self.holders() for p in r.pages)
         held.update(p for item in self.sched.loading for p in item.pages or ())
         assert all(self.pool.ref_counts[p] == n for p, n in held.items()), "reference counts drifted"
