@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
-from engine.kv_connector import KVConnector, PendingFetch, lookup_plan
+from engine.kv_connector import KVConnector, NoConnector, PendingFetch, lookup_plan
 from engine.page_table import PageTable
 from engine.request import Request
 from kvstore.block_pool import BlockPool
@@ -121,7 +121,7 @@ class PrefixLookup:
         found = len(req.pages)
         req.num_computed = found * self.page_size
         self._named[req] = found
-        if req in self._looked_up or found >= limit:
+        if req in self._looked_up or found >= limit or isinstance(self.connector, NoConnector):
             return READY
         n = limit - found
         room = self._lookup_room(req, n)
