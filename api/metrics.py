@@ -8,7 +8,8 @@ deltas), `longctx:e2e_request_latency_seconds` and `longctx:http_requests_total{
 is the per-tenant admission count. Read at scrape time: gauges from `Engine.snapshot()` (requests
 running, waiting, loading = waiting for KV pages from the host or Redis tier, queued; device pages
 used and free), host-tier bytes, counters from it (preemptions, tokens) and from
-`Engine.kv_stats()` (`longctx:kv_<tier>_<counter>_total`: prefix cache, host tier, Redis tier),
+`Engine.kv_stats()` (`longctx:kv_<tier>_<counter>_total`: prefix cache, host tier, Redis tier;
+`longctx:kv_restored_unused_pages_total{reason}`: pages a tier returned that were not used),
 the engine's own histograms as `longctx:engine_*` (e.g. `longctx:engine_queue_time_seconds`),
 `longctx:startup_phase_seconds{phase}`, the model load (bytes, bytes/s, loader phases) and the
 process' resident memory.
@@ -192,7 +193,13 @@ def render(state: ServerState, m: Metrics = METRICS) -> str:
         )
         for name in ("preemptions", "prompt_tokens_computed", "generated_tokens", "finished"):
             out += _family(f"longctx:engine_{name}_total", "counter", f"engine {name}", [("", getattr(snap, name))])
-        for tier, counters in engine.kv_stats().items():
+        kv = engine.kv_stats()
+        unused = kv.pop("restored_unused", {})
+        out += _family(
+            "longctx:kv_restored_unused_pages_total", "counter", "KV pages a tier returned that were not used",
+            [(f'{{reason="{_label(reason)}"}}', n) for reason, n in unused.items()],
+        )  # fmt: skip
+        for tier, counters in kv.items():
             for key, value in counters.items():
                 out += _family(f"longctx:kv_{tier}_{key}_total", "counter", f"{tier} {key}", [("", value)])
         store = getattr(engine, "store", None)

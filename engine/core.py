@@ -293,7 +293,10 @@ class EngineCore:
             len(s.running), len(s.waiting), len(s.loading), self.admission.queued, self.pool.num_free,
             self.pool.num_pages,
             s.num_preemptions, st.prompt_tokens_computed, st.generated_tokens, st.finished, st.steps,
-            {r.id: r.pages.num_live for r in itertools.chain(s.running, (item.request for item in s.loading))},
+            {
+                r.id: r.pages.num_live
+                for r in itertools.chain(s.running, (i.request for i in s.loading), s.pinned)
+            },
             s.peak_request_pages, s.num_reclaimed_pages,
         )  # fmt: skip
 

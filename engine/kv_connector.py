@@ -53,6 +53,10 @@ class PendingFetch(Protocol):
     def load(self, pages: list[int]) -> None:
         """Copy the first `len(pages)` fetched pages into these device pages."""
 
+    def sources(self) -> tuple[int, int]:
+        """After `take`: how many of the pages it can load came from host memory, and how many
+        from a remote tier (Redis)."""
+
 
 class KVConnector(Protocol):
     def fetch(self, page_hashes: list[bytes], remote: bool = True) -> PendingFetch | None:

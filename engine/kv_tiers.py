@@ -88,6 +88,8 @@ def kv_stats(pool: BlockPool, scheduler: Scheduler, store: TieredStore | None) -
     out = {"prefix": asdict(pool.counters)}
     out["prefix"]["lookup_timeouts"] = scheduler.num_lookup_timeouts
     out["prefix"]["reclaimed_pages"] = scheduler.num_reclaimed_pages
+    out["prefix"]["unpinned"] = scheduler.num_unpinned
+    out["restored_unused"] = dict(scheduler.unused_pages)  # by reason: a labelled family on /metrics
     if store is not None:
         out["host"] = asdict(store.host.counters)
         if store.redis is not None:

@@ -208,6 +208,11 @@ class Request:
     pages: PageTable = field(default_factory=PageTable)
     num_computed: int = 0
     cached_tokens: int = 0
+    # Where its cached tokens came from (its first admission; see `Scheduler._count_admission`):
+    found_host_tokens: int = 0  # tokens the host tier returned for its lookups
+    found_redis_tokens: int = 0  # tokens Redis returned for its lookups
+    loaded_tokens: int = 0  # of those, tokens copied into the device pages it holds
+    recomputed_tokens: int = 0  # prompt tokens it computed at its first admission (not cached)
     num_preemptions: int = 0
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # queue time ends here

@@ -4,30 +4,42 @@ Order: a request's key is (`SamplingParams.priority`, arrival): lower priority n
 then first come; a request keeps its key through loading and preemption. Each step has a token
 budget (`max_num_batched_tokens`). Running requests that decode (one token each) come first, so
 a long prompt never stalls streams already generating; then running prefills continue in
-chunks; then waiting requests are admitted by key while budget, pages and `max_num_seqs` last
-(the head that does not fit blocks the rest; admission never preempts). While more than one
-request has prompt tokens to compute, a chunk takes at most `max_prefill_tokens_per_request`
-(default half the budget). When a running request needs pages and none are free, the victim is
-the running request with the largest key (lowest priority, newest) not yet in this step's plan:
-its pages go back to the pool and it is recomputed later from its tokens (prompt + output so
-far), so nothing is lost or emitted twice. If that is the request itself, a prefill chunk
-shrinks to the pages free, else it waits (keeping its pages) behind a planned request of larger
-key, else it is preempted. Only running and loading requests hold pages; waiting ones hold none.
-So a step plans something whenever the pool could hold the first request alone.
+chunks; then waiting requests are admitted while budget, pages and `max_num_seqs` last: first
+the pinned ones (holding pages restored for them, below), by key, then the others by key (the
+one that does not fit blocks the rest; admission never preempts). Admission is bounded by what
+a request will need: while others run, its whole prompt's pages must be free beyond the pages
+the running prefills will still take (`_promised`), so the scheduler runs fewer requests at
+once rather than admitting one whose growth would preempt another and push its pages out.
+While more than one request has prompt tokens to compute, a chunk takes at most
+`max_prefill_tokens_per_request` (default half the budget). When a running request needs pages
+and none are free, pinned waiting requests give theirs up first (largest key first); then the
+victim is the running request with the largest key (lowest priority, newest) not yet in this
+step's plan: its pages go back to the pool and it is recomputed later from its tokens (prompt +
+output so far), so nothing is lost or emitted twice. If that is the request itself, a prefill
+chunk shrinks to the pages free, else it waits (keeping its pages) behind a planned request of
+larger key, else it is preempted. Running and loading requests hold pages, and waiting ones
+only while pinned. So a step plans something whenever the pool could hold the first request
+alone (when nothing runs or loads, pinned requests give way to the one being admitted).
 
 Prefix cache: a request being admitted first takes the pages of its leading full pages
 found in the device pool by content hash (shared, reference counted), then, once per
 admission, asks the KV connector (host and Redis tiers) for the pages that follow. A lookup
-runs off the step thread: the request is parked in `loading` while the others keep stepping,
-and when the fetch completes (or at a deadline, with what had arrived) the pages are copied
-in and named by their hash; the request then releases its pages (named pages stay revivable
-in the pool's free list) and rejoins `waiting`, taking them back on admission. The deadline
-gives the lookup as long as fetching is expected to beat recomputing (the connector's
-measured cost against `recompute_s`), at most `lookup_timeout_s`; a remote tier is not even
-asked when recomputing is cheaper. Pages matched in the pool or restored into it are
-`touch`ed (the connector keeps their copies alive). Pages that fill up are named by their
-hash once computed, and offered to the connector. (That side lives in
-`engine/scheduler_prefix.py`.)
+starts only when the pool has room for the pages it would restore (free beyond `_promised`,
+and within `max_pinned_pages` for all waiting and loading requests together, unless nothing
+else holds pages); else the request waits at the head (`BLOCKED`). The device pages a remote
+fetch fills are taken when it starts, so nothing can reclaim them meanwhile. It runs off the
+step thread: the request is parked in `loading` while the others keep stepping, and when the
+fetch completes (or at a deadline, with what had arrived) the pages are copied in and named by
+their hash; the request rejoins `waiting` pinned, holding them, and is admitted before the
+others. (Without pins, restored pages went back to the LRU free list, where the next fetch's or
+step's allocations reclaimed them before the request was admitted; looked up once, it then
+recomputed its whole history: under pressure every later turn found one page.) A pinned request
+that gives its pages up may look them up again. The deadline gives the lookup as long as
+fetching is expected to beat recomputing (the connector's measured cost against `recompute_s`),
+at most `lookup_timeout_s`; a remote tier is not even asked when recomputing is cheaper. Pages
+matched in the pool or restored into it are `touch`ed (the connector keeps their copies alive).
+Pages that fill up are named by their hash once computed, and offered to the connector. (That
+side lives in `engine/scheduler_prefix.py`.)
 
 Sliding windows (`window`: set when every layer of the model has one, to the largest): a
 running request releases its pages older than the window of its next token as it advances
@@ -53,7 +65,7 @@ from typing import NamedTuple
 
 from engine.kv_connector import KVConnector, NoConnector
 from engine.request import Request
-from engine.scheduler_prefix import SALT_CACHE_SIZE, PrefixLookup, _Loading
+from engine.scheduler_prefix import BLOCKED, PARKED, SALT_CACHE_SIZE, UNUSED_REASONS, PrefixLookup, _Loading
 
 __all__ = ["SALT_CACHE_SIZE", "ScheduledChunk", "Scheduler"]
 from kvstore.block_pool import BlockPool
@@ -80,6 +92,7 @@ class Scheduler(PrefixLookup):
         max_prefill_tokens_per_request: int | None = None,
         recompute_s: Callable[[int], float] = lambda num_tokens: num_tokens / 1000.0,
         window: int | None = None,
+        max_pinned_fraction: float = 0.5,
     ):
         """Args:
         lookup_timeout_s: the longest a request waits for a connector lookup.
@@ -88,6 +101,8 @@ class Scheduler(PrefixLookup):
         recompute_s: expected seconds to prefill this many tokens (`PrefillRate.seconds`).
         window: the largest sliding window when every layer has one (pages behind it are
             released as requests advance, and lookups address the tail); None keeps every page.
+        max_pinned_fraction: the share of the pool that waiting and loading requests may hold
+            (their matched and restored pages, kept for them until they are admitted).
         """
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
@@ -95,6 +110,8 @@ class Scheduler(PrefixLookup):
             raise ValueError(f"max_prefill_tokens_per_request must be >= 1, got {max_prefill_tokens_per_request}")
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 (or None), got {window}")
+        if not 0.0 <= max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
         self.pool = pool
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -107,7 +124,13 @@ class Scheduler(PrefixLookup):
         self.window = window
         self.num_reclaimed_pages = 0  # pages released behind a sliding window
         self.peak_request_pages = 0  # most live pages one request held in a step's plan
-        self.waiting: list[Request] = []  # by key; none holds pages
+        self.max_pinned_pages = int(max_pinned_fraction * pool.num_pages)
+        self.waiting: list[Request] = []  # by key; only the pinned ones hold pages
+        self._pinned: dict[Request, None] = {}  # waiting requests holding their cached pages
+        self._promised = 0  # free pages the running prefills will take (set each step)
+        self.num_unpinned = 0  # pinned requests that gave their pages up for a running one
+        self._restored: dict[Request, int] = {}  # pages restored from a tier that the request holds
+        self.unused_pages = dict.fromkeys(UNUSED_REASONS, 0)  # restored pages not used, by reason
         self.running: list[Request] = []  # by key: the last is the first to be preempted
         self.loading: list[_Loading] = []  # waiting for pages from the host or Redis tier
         self.num_preemptions = 0
@@ -128,8 +151,17 @@ class Scheduler(PrefixLookup):
         return req.params.priority, self._order[req]
 
     def _enqueue(self, req: Request) -> None:
-        assert not req.pages and req.num_computed == 0, "a waiting request holds no pages"
+        assert (not req.pages and req.num_computed == 0) or req in self._pinned, "only pinned waiting ones hold pages"
         bisect.insort(self.waiting, req, key=self.key)
+
+    def _others_busy(self, req: Request) -> bool:
+        """Something besides `req` holds pages: running, loading or pinned requests."""
+        return bool(self.running or self.loading or any(r is not req for r in self._pinned))
+
+    @property
+    def pinned(self) -> list[Request]:
+        """Waiting requests holding pages restored or matched for them."""
+        return list(self._pinned)
 
     @property
     def has_work(self) -> bool:
@@ -169,22 +201,42 @@ class Scheduler(PrefixLookup):
             chunks.append(ScheduledChunk(req, n, req.num_computed + n == req.num_tokens))
             planned.add(req)
             budget -= n
+        self._promised = sum(self._pages_needed(r, r.num_tokens - r.num_computed) for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            # Requests holding their restored pages go first (in key order), then the head.
+            req = min(self._pinned, key=self.key) if self._pinned else self.waiting[0]
             if req in preempted:  # not back in the step that preempted it
                 break
-            if self._match_prefix(req):
-                self.waiting.pop(0)  # parked in self.loading
+            state = self._match_prefix(req)
+            if state == PARKED:
+                self.waiting.remove(req)  # parked in self.loading
+                self._pinned.pop(req, None)
                 continue
+            if state == BLOCKED:
+                others = [r for r in self._pinned if r is not req]
+                if not self.running and not self.loading and others:  # idle: they give way
+                    self._unpin(max(others, key=self.key))
+                    continue
+                self._hold(req)
+                break
             n = min(req.num_tokens - req.num_computed, budget, share)
             need = self._pages_needed(req, n)
-            if need > self.pool.num_free:
-                self._release(req)  # a waiting request holds no page: others may need them to finish
+            if not self.running and not self.loading:  # idle: pinned others give way to it
+                others = sorted((r for r in self._pinned if r is not req), key=self.key)
+                while need > self.pool.num_free and others:
+                    self._unpin(others.pop())
+            # Bounded by the pages its whole prompt needs: admitting more than the pool can
+            # carry would preempt a running request and push its pages out.
+            rest = self._pages_needed(req, req.num_tokens - req.num_computed)
+            if need > self.pool.num_free or (self.running and rest > self.pool.num_free - self._promised):
+                self._hold(req)  # keeps its pages while waiting (within the budget)
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(req)
+            self._pinned.pop(req, None)
             if self.namespace is not None:
                 self._count_admission(req)
             req.pages.append(self.pool.allocate(need))
+            self._promised += rest - need
             self.peak_request_pages = max(self.peak_request_pages, req.pages.num_live)
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n, req.num_computed + n == req.num_tokens))
@@ -196,6 +248,10 @@ class Scheduler(PrefixLookup):
         """Pages for `n` tokens of a running request, preempting requests not in the plan; returns
         how many tokens it computes this step (0: it waits or was preempted)."""
         while self._pages_needed(req, n) > self.pool.num_free:
+            if self._pinned:  # a waiting request's kept pages go before a running one's
+                self._unpin(max(self._pinned, key=self.key))
+                self.num_unpinned += 1
+                continue
             victim = max((r for r in self.running if r not in planned), key=self.key)
             if victim is not req:
                 self._preempt(victim)
@@ -214,6 +270,7 @@ class Scheduler(PrefixLookup):
         self.pool.free(req.pages.clear())  # named pages stay revivable in the free list
         req.num_computed = 0
         self._named.pop(req, None)
+        self._restored.pop(req, None)
 
     def _poll_loading(self) -> None:
         now = time.monotonic()
@@ -222,11 +279,17 @@ class Scheduler(PrefixLookup):
             if ready or now >= item.deadline:
                 self.loading.remove(item)
                 self.num_lookup_timeouts += not ready
-                self._complete(item.request, item.fetch, expired=not ready, start=item.start)
-                # Back to waiting without pages (else a request put before it could wait forever
-                # for them); its pages keep their names and come back by hash on admission.
-                self._release(item.request)
-                self._enqueue(item.request)
+                req = item.request
+                self._complete(req, item.fetch, expired=not ready, start=item.start, pages=item.pages)
+                if self.window is None and req.pages:
+                    # Back to waiting holding what it restored (pinned: its pages were taken
+                    # within the budget when the fetch started), admitted before the others.
+                    self._pinned[req] = None
+                else:
+                    # A windowed request goes back without pages; they keep their names and
+                    # come back by hash on admission.
+                    self._release(req)
+                self._enqueue(req)
 
     def computed(self, reqs: list[Request]) -> None:
         """After a step: name the pages that became full and offer them to the connector; with a
@@ -246,10 +309,14 @@ class Scheduler(PrefixLookup):
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            if self._pinned.pop(req, 0) is None:  # pinned: what it restored is left unused
+                self.unused_pages["aborted"] += self._restored.get(req, 0)
         for item in self.loading:
             if item.request is req:
                 self.loading.remove(item)
-                item.fetch.take(expired=True)
+                self.unused_pages["aborted"] += item.fetch.take(expired=True)
+                if item.pages:
+                    self.pool.free(item.pages)
                 break
         self._release(req)
         self._hashes.pop(req, None)

@@ -8,18 +8,28 @@ a step); nothing here walks a request's pages per step.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
-from engine.kv_connector import KVConnector, PendingFetch, lookup_plan
+from engine.kv_connector import KVConnector, NoConnector, PendingFetch, lookup_plan
 from engine.page_table import PageTable
 from engine.request import Request
 from kvstore.block_pool import BlockPool
 from kvstore.prefix import Namespace, find_tail, hash_page, max_cached_pages
 
 SALT_CACHE_SIZE = 4096  # tenants whose salted namespace digest is kept (LRU)
+# Why pages a tier returned were not used (`longctx:kv_restored_unused_pages_total{reason}`):
+UNUSED_REASONS = (
+    "no_room",  # more arrived than the device pages taken for them
+    "unpinned",  # restored for a waiting request that gave them up for a running one
+    "pin_budget",  # restored for a waiting request past the budget of pinned pages
+    "aborted",  # the request ended while loading or pinned
+)
+
+log = logging.getLogger("longctx.engine.scheduler")
 
 
 class _Loading(NamedTuple):
@@ -27,6 +37,12 @@ class _Loading(NamedTuple):
     fetch: PendingFetch
     deadline: float  # time.monotonic() after which the fetch counts as a miss
     start: int  # index in the request's page hashes of the first hash the fetch was given
+    pages: list[int] | None = None  # device pages taken for the fetch when it started (no window)
+
+
+READY = "ready"  # matched (and restored what was at hand): try to admit it now
+PARKED = "parked"  # a fetch runs: the request waits in `loading`
+BLOCKED = "blocked"  # no room yet to restore its pages: it waits at the head, nothing fetched
 
 
 class PrefixLookup:
@@ -44,8 +60,16 @@ class PrefixLookup:
     _named: dict[Request, int]
     _looked_up: set[Request]
     _salts: OrderedDict[str, bytes]
+    _pinned: dict[Request, None]  # waiting requests holding their matched and restored pages
+    max_pinned_pages: int
+    _promised: int  # free pages the running prefills will take for the rest of their prompts
+    _restored: dict[Request, int]  # pages restored from a tier that the request holds
+    unused_pages: dict[str, int]  # restored pages not used, by reason (UNUSED_REASONS)
 
     def _release(self, req: Request) -> None:  # the Scheduler's: free the pages, forget the progress
+        raise NotImplementedError
+
+    def _others_busy(self, req: Request) -> bool:  # the Scheduler's: anything but `req` holds pages
         raise NotImplementedError
 
     def _page_hashes(self, req: Request, num_pages: int) -> list[bytes]:
@@ -77,33 +101,99 @@ class PrefixLookup:
             return 0
         return max(0, position - self.window + 1) // self.page_size
 
-    def _match_prefix(self, req: Request) -> bool:
-        """Share the request's cached pages; returns True when it is parked for a fetch."""
-        assert not req.pages and req.num_computed == 0
+    def _match_prefix(self, req: Request) -> str:
+        """Share the request's cached pages and start its lookup: `READY` (try to admit it now),
+        `PARKED` (a fetch runs: it waits in `loading`) or `BLOCKED` (the pool has no room yet
+        for the pages it would restore: nothing is fetched, it waits at the head)."""
         if self.namespace is None:
-            return False
+            return READY
         limit = max_cached_pages(req.num_tokens, self.page_size)
         hashes = self._page_hashes(req, limit)
         if self.window is not None:
-            return self._match_tail(req, hashes, limit)
-        req.pages = PageTable(self.pool.match(hashes[:limit]))
+            assert not req.pages and req.num_computed == 0
+            return PARKED if self._match_tail(req, hashes, limit) else READY
+        held = len(req.pages)  # a pinned request's pages: match on after them
+        if held < limit:
+            more = self.pool.match(hashes[held:limit])
+            if more:
+                req.pages.append(more)
+                self.connector.touch(hashes[held : held + len(more)], more)
         found = len(req.pages)
-        if found:
-            self.connector.touch(hashes[:found], list(req.pages))
         req.num_computed = found * self.page_size
         self._named[req] = found
-        if req in self._looked_up or found >= limit:
-            return False
-        self._looked_up.add(req)
+        if req in self._looked_up or found >= limit or isinstance(self.connector, NoConnector):
+            return READY
         n = limit - found
+        room = self._lookup_room(req, n)
+        if room is None:
+            return BLOCKED
+        self._looked_up.add(req)
+        if room == 0:
+            return READY
         cost = self.connector.fetch_cost_s(n)
         remote, wait = lookup_plan(cost, self.recompute_s(n * self.page_size), self.lookup_timeout_s)
-        fetch = self.connector.fetch(hashes[found:limit], remote=remote)
-        if fetch is not None and not fetch.ready():
-            self.loading.append(_Loading(req, fetch, time.monotonic() + wait, found))
-            return True
-        self._complete(req, fetch, expired=False, start=found)
-        return False
+        fetch = self.connector.fetch(hashes[found : found + room], remote=remote)
+        if fetch is None:
+            return READY
+        if fetch.ready():  # what was at hand (host memory): exactly the pages that came back
+            self._complete(req, fetch, expired=False, start=found, cap=room)
+            return READY
+        # The fetch's pages are taken now: nothing else can reclaim them before it is admitted.
+        self.loading.append(_Loading(req, fetch, time.monotonic() + wait, found, self.pool.allocate(room)))
+        return PARKED
+
+    def _lookup_room(self, req: Request, n: int) -> int | None:
+        """How many of the `n` pages after a request's cached ones its lookup may take: all `n`
+        when the pool has them free (beyond what running prefills will take) and the pages held
+        for waiting and loading requests stay within `max_pinned_pages`; what is free when
+        nothing else holds pages; else None (wait: restoring now would only push pages out
+        that others, or itself, need)."""
+        free = self.pool.num_free
+        if not self._others_busy(req):
+            return min(n, free)
+        held = sum(r.pages.num_live for r in self._pinned if r is not req)
+        held += sum(item.request.pages.num_live + len(item.pages or ()) for item in self.loading)
+        within = not held or held + req.pages.num_live + n <= self.max_pinned_pages
+        if n <= free - self._promised and within:
+            return n
+        return None
+
+    def _hold(self, req: Request) -> None:
+        """A waiting request that cannot be admitted yet keeps its pages (pinned) while the pages
+        held for waiting and loading requests stay within `max_pinned_pages`: pages it keeps
+        cannot be reclaimed by others before it runs. Past the budget it keeps its leading pages
+        that fit and releases the rest (named, revivable)."""
+        if self.window is not None or not req.pages:
+            self._pinned.pop(req, None)
+            self._release(req)
+            return
+        held = sum(r.pages.num_live for r in self._pinned if r is not req)
+        held += sum(item.request.pages.num_live + len(item.pages or ()) for item in self.loading)
+        keep = max(0, min(len(req.pages), self.max_pinned_pages - held))
+        if keep < len(req.pages):
+            self._looked_up.discard(req)  # what it let go may come back from a tier later
+            restored = self._restored.get(req, 0)
+            dropped = min(len(req.pages) - keep, restored)  # restored pages come last
+            self.unused_pages["pin_budget"] += dropped
+            self._restored[req] = restored - dropped
+            pages = req.pages.clear()
+            self.pool.free(pages[keep:])
+            req.pages = PageTable(pages[:keep])
+            req.num_computed = keep * self.page_size
+            self._named[req] = keep
+        if keep:
+            self._pinned[req] = None
+        else:
+            self._pinned.pop(req, None)
+            self._release(req)
+
+    def _unpin(self, req: Request) -> None:
+        """A pinned request gives its pages up (named: revivable in the pool, kept by the tiers
+        once reused) and may look its pages up again when it comes to the head."""
+        del self._pinned[req]
+        self.unused_pages["unpinned"] += self._restored.get(req, 0)
+        self._release(req)
+        self._looked_up.discard(req)
 
     def _match_tail(self, req: Request, hashes: list[bytes], limit: int) -> bool:
         """A windowed model's lookup: resume at the furthest point whose window pages are at hand
@@ -156,15 +246,44 @@ class PrefixLookup:
             counters.skipped_tokens += req.pages.first * self.page_size  # behind the window: not read
         if req.num_preemptions == 0:
             req.cached_tokens = req.num_computed
+            req.loaded_tokens = self._restored.get(req, 0) * self.page_size
+            req.recomputed_tokens = max(0, len(req.prompt_ids) - req.num_computed)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "request %s admitted: %d prompt tokens, %d cached (%d from the device pool, %d loaded "
+                    "from a tier), %d recomputed; found in the host tier %d, in Redis %d",
+                    req.id, len(req.prompt_ids), req.cached_tokens, req.cached_tokens - req.loaded_tokens,
+                    req.loaded_tokens, req.recomputed_tokens, req.found_host_tokens, req.found_redis_tokens,
+                )  # fmt: skip
 
-    def _complete(self, req: Request, fetch: PendingFetch | None, expired: bool, start: int) -> None:
-        """Load the fetched pages (page hashes `start ..`) and name them in the pool. Without a
-        window they extend the request's pages; with one they are left in the pool (named,
-        revivable) for `_device_tail` to find."""
+    def _complete(
+        self,
+        req: Request,
+        fetch: PendingFetch | None,
+        expired: bool,
+        start: int,
+        pages: list[int] | None = None,
+        cap: int | None = None,
+    ) -> None:
+        """Load the fetched pages (page hashes `start ..`) and name them in the pool, into
+        `pages` (taken when the fetch started; those not filled go back) or into pages taken
+        now (at most `cap`). Without a window they extend the request's pages; with one they
+        are left in the pool (named, revivable) for `_device_tail` to find."""
         if fetch is None:
+            if pages:
+                self.pool.free(pages)
             return
-        n = min(fetch.take(expired), self.pool.num_free)
-        pages = self.pool.allocate(n)
+        arrived = fetch.take(expired)
+        from_host, from_remote = fetch.sources()
+        req.found_host_tokens += from_host * self.page_size
+        req.found_redis_tokens += from_remote * self.page_size
+        if pages is not None:
+            n = min(arrived, len(pages))
+            self.pool.free(pages[n:])
+            pages = pages[:n]
+        else:
+            pages = self.pool.allocate(min(arrived, self.pool.num_free, arrived if cap is None else cap))
+        self.unused_pages["no_room"] += arrived - len(pages)
         fetch.load(pages)
         start += fetch.offset  # a tail fetch's pages start inside the hashes it was given
         hashes = self._hashes[req]
@@ -179,6 +298,7 @@ class PrefixLookup:
             self.pool.free(pages)
             return
         req.pages.append(pages)
+        self._restored[req] = self._restored.get(req, 0) + len(pages)
         req.num_computed = len(req.pages) * self.page_size
         self._named[req] = len(req.pages)
 

@@ -17,7 +17,7 @@ class EngineSnapshot:
         free_pages, total_pages: device KV pages (free ones include cached, revivable pages).
         preemptions: requests preempted so far.
         prompt_tokens_computed, generated_tokens, finished, steps: counters since start.
-        request_pages: per running or loading request id, the device pages it holds (a
+        request_pages: per running, loading or pinned waiting request id, the device pages it holds (a
             windowed model's requests release those behind the window).
         peak_request_pages: the most device pages one request held during any step so far
             (counted when a step's pages were allocated: a prefill chunk's pages included).

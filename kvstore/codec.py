@@ -121,7 +121,7 @@ class PageCodec:
 
     def to_tensor(self, payloads: list[bytes]) -> torch.Tensor:
         """Verified payloads -> [N, L, 2, P, H, D] in the model dtype."""
-        buf = bytearray(b"".join(payloads))
+        buf = bytearray().join(payloads)  # one copy, writable (b"".join then bytearray() copied twice)
         n = len(payloads)
         if self.kv_dtype != "int8":
             return torch.frombuffer(buf, dtype=self.model_dtype).view(n, *self.shape)

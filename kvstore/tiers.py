@@ -109,6 +109,10 @@ class _Fetch:
         self.payloads = self.host + self.arrived[:]  # a snapshot: the lookup thread may still append
         return len(self.payloads)
 
+    def sources(self) -> tuple[int, int]:
+        n_host = min(len(self.host), len(self.payloads))
+        return n_host, len(self.payloads) - n_host
+
     def load(self, pages: list[int]) -> None:
         if not pages:
             return

@@ -5,8 +5,9 @@ token, appends a token id that depends only on (request, output position), so a 
 request produces the same ids. Every step checks what `AttentionMetadata.build` and the
 page pool rely on: each chunk's request is running and holds pages for `num_computed + n`
 tokens (with a window: the pages its queries read are live, and no more than the window and the
-chunk need), no request appears twice, waiting requests hold no pages, and every page's reference
-count equals the number of requests holding it.
+chunk need), no request appears twice, waiting requests hold pages only while pinned (kept for
+them after a lookup), and every page's reference count equals the number of requests (and
+loading fetches) holding it.
 
 `FakeConnector` stands in for the host and Redis tiers: it "has" the pages saved to it (or a
 chosen set), and its fetches become ready after `polls` polls, or fail (find nothing). Its
@@ -37,6 +38,7 @@ class FakeFetch:
     fail: bool  # the lookup errors out: nothing arrives
     loaded: int = 0
     taken: bool = False
+    took: int = 0
     offset: int = 0
 
     def ready(self) -> bool:
@@ -48,11 +50,15 @@ class FakeFetch:
         self.taken = True
         if self.fail or (expired and self.polls >= 0):
             return 0
+        self.took = self.found
         return self.found
 
     def load(self, pages: list[int]) -> None:
         assert self.taken and len(pages) <= self.found
         self.loaded = len(pages)
+
+    def sources(self) -> tuple[int, int]:
+        return 0, self.took
 
 
 @dataclass
@@ -183,12 +189,15 @@ class Sim:
             assert c.sample == (req.num_computed + c.num_tokens == req.num_tokens)
 
     def holders(self) -> list[Request]:
-        return list(self.sched.running) + [item.request for item in self.sched.loading]
+        pinned = [r for r in self.sched.waiting if r in self.sched._pinned]
+        return list(self.sched.running) + [item.request for item in self.sched.loading] + pinned
 
     def check_pool(self) -> None:
         for req in self.sched.waiting:
-            assert not req.pages, f"waiting {req.id} holds pages"
+            assert not req.pages or req in self.sched._pinned, f"waiting {req.id} holds pages unpinned"
+        assert all(r in self.sched.waiting and r.pages for r in self.sched._pinned), "pinned: waiting, with pages"
         held = Counter(p for r in self.holders() for p in r.pages)
+        held.update(p for item in self.sched.loading for p in item.pages or ())
         assert all(self.pool.ref_counts[p] == n for p, n in held.items()), "reference counts drifted"
         assert self.pool.num_free == self.pool.num_pages - len(held)
 

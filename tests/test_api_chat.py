@@ -298,6 +298,8 @@ def test_metrics(server: Server, client: openai.OpenAI, model: str) -> None:
     assert after["longctx:model_load_bytes_per_second"] > 0 and after["longctx:process_resident_memory_bytes"] > 0
     for gauge in ("num_requests_loading", "kv_pages_used", "kv_host_bytes"):
         assert f"longctx:{gauge}" in after
+    for reason in ("no_room", "unpinned", "pin_budget", "aborted"):  # restored pages left unused
+        assert f'longctx:kv_restored_unused_pages_total{{reason="{reason}"}}' in after
     with client.responses.stream(model=model, input="Hi", max_output_tokens=3, temperature=0) as events:
         for _ in events:
             pass

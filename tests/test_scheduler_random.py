@@ -7,6 +7,11 @@ exactly its `max_tokens` ids (the ids it would produce alone) unless the test ab
 plan references a preempted request or one short of pages (checked every step by `Sim`); no
 stall (bounded steps); every page reference comes back. The scenarios must actually exercise
 preemption and concurrency: the test counts how many do and fails if too few.
+
+What this outcome check cannot see is a lost restore: the simulated ids depend only on the
+request and the output position, so a request that recomputes what it fetched emits the same
+ids and passes (under pressure every later turn once recomputed its whole history, unseen
+here). `tests/test_scheduler_pressure.py` asserts what was reused, over the real tiers.
 """
 
 from __future__ import annotations
