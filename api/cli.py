@@ -211,6 +211,20 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if report.failed else 0
 
 
+def _state(args: argparse.Namespace) -> int:
+    import redis
+
+    from sessions.migrate import migrate
+
+    client = redis.Redis.from_url(args.redis_url)
+    try:
+        done = migrate(client, args.redis_prefix)
+    finally:
+        client.close()
+    print(f"migrated {done.keys} keys ({done.conversations} conversations, {done.responses} responses)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longctx", description="longctx: a server for long-running agent sessions")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -259,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="a terminal client: chat with a running server")
     chat_client.add_arguments(chat)
     chat.set_defaults(func=chat_client.run)
+
+    state = sub.add_parser("state", help="the state Redis: `migrate` an old key layout to today's")
+    state.add_argument("action", choices=["migrate"])
+    state.add_argument("--redis-url", required=True, help="the state Redis (one server, not a Cluster)")
+    state.add_argument("--redis-prefix", default="lc", help="prefix of every state key")
+    state.set_defaults(func=_state)
 
     models = sub.add_parser("models", help="manage models under $LONGCTX_HOME/models")
     models.add_argument("action", choices=["pull", "list"])
