@@ -26,6 +26,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-prefix", default="lc", help="prefix of every state key")
     p.add_argument("--state-ttl", type=int, default=30 * 86_400, help="seconds conversations and responses live")
     p.add_argument("--background-workers", type=int, default=2, help="background-response workers per process")
+    p.add_argument("--job-claim-idle-s", type=float, default=30.0,
+                   help="a background job whose worker sent no heartbeat for this long (its server died) is "
+                        "taken over by another server")  # fmt: skip
+    p.add_argument("--kv-commit-wait-ms", type=float, default=50.0,
+                   help="a turn's commit waits up to this long for its KV pages to reach Redis (so the next turn "
+                        "finds them on any replica); pages still queued are marked pending, and the next lookup "
+                        "waits for them")  # fmt: skip
     p.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV pages across requests")
     p.add_argument(
         "--kv-redis-max-memory", type=parse_bytes, default=2 << 30, help="maxmemory of the managed KV-cache Redis"

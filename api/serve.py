@@ -283,6 +283,8 @@ def run(
         redis_prefix=args.redis_prefix,
         state_ttl_s=args.state_ttl,
         background_workers=args.background_workers,
+        job_claim_idle_s=getattr(args, "job_claim_idle_s", 30.0),
+        kv_commit_wait_ms=getattr(args, "kv_commit_wait_ms", 50.0),
         max_output_tokens=args.max_output_tokens,
         served_model_name=args.served_model_name or "",
         tool_call_format=args.tool_call_format,

@@ -116,7 +116,14 @@ class SessionService:
                 raise
             if req.background:
                 return await self._enqueue(plan, undo, req.stream)
-            turn = Turn(self.engine, self.store, plan, plan.assembler.writer, self.config.lease_renew_s)
+            turn = Turn(
+                self.engine,
+                self.store,
+                plan,
+                plan.assembler.writer,
+                self.config.lease_renew_s,
+                self.config.kv_commit_wait_s,
+            )
             turn.waiting = WaitingPlace(self.waiting, tenant)  # the tenant's 429 before any write
             if plan.store:  # retrievable while it runs, `failed` if its server dies (`sessions.recovery`)
                 if plan.conversation_id is None:
