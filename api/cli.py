@@ -218,6 +218,12 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if report.failed else 0
 
 
+def _route(args: argparse.Namespace) -> int:
+    from api.router.proxy import serve
+
+    return serve(args.host, args.port, args.replica)
+
+
 def _state(args: argparse.Namespace) -> int:
     import redis
 
@@ -280,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="a terminal client: chat with a running server")
     chat_client.add_arguments(chat)
     chat.set_defaults(func=chat_client.run)
+
+    route = sub.add_parser("route", help="a cache-aware front for N serve replicas (each turn goes where its cache is)")
+    route.add_argument("--host", default="127.0.0.1")
+    route.add_argument("--port", type=int, default=8080)
+    route.add_argument("--replica", action="append", default=[], required=True, help="a replica's URL (repeat)")
+    route.set_defaults(func=_route)
 
     state = sub.add_parser("state", help="the state Redis: `migrate` an old key layout to today's")
     state.add_argument("action", choices=["migrate"])
