@@ -130,13 +130,20 @@ class SessionStore:
         if await self.client.get(self.keys.layout) == LAYOUT.encode():
             return
         if not is_cluster_client(self.client):
-            async for _ in self.client.scan_iter(match=f"{self.keys.prefix}:conv:*", count=1000):
+            old = [await self._first(f"{self.keys.prefix}:{kind}:*") for kind in ("conv", "resp")]
+            if any(old):
                 raise UnsuitableServer(
                     f"the state Redis holds conversations in the key layout before hash tags "
                     f"({self.keys.prefix}:conv:...); run `longctx state migrate --redis-url URL "
                     f"--redis-prefix {self.keys.prefix}` once (with the servers stopped), then start again"
                 )
         await self.client.set(self.keys.layout, LAYOUT)
+
+    async def _first(self, match: str) -> bytes | None:
+        """The first key matching `match`, if any (SCAN)."""
+        async for key in self.client.scan_iter(match=match, count=1000):
+            return bytes(key)
+        return None
 
     @staticmethod
     def _check_info(info: dict[str, Any]) -> None:
