@@ -197,7 +197,8 @@ class Turn:
         p = self.plan
         if not p.store:
             return final
-        if self.kv_wait_s > 0:  # the next turn may run on another server: its pages first
+        store = getattr(self.engine, "store", None)
+        if self.kv_wait_s > 0 and getattr(store, "redis", None) is not None:  # the next turn may run elsewhere
             await asyncio.to_thread(self.engine.kv_commit_wait, self.kv_wait_s)
         try:
             if p.conversation_id is not None:
