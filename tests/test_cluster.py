@@ -21,7 +21,7 @@ from sessions.items import Item, Message, OutputText, parse_item
 from sessions.models import ConversationRef, Response
 from sessions.store import SessionStore
 from tests.redis_cluster import LocalCluster, local_cluster
-from tests.redis_server import DEFAULT_URL, unique_prefix
+from tests.redis_server import shared_redis, unique_prefix
 from tests.server import TEST_KEY, keys_args, start_server
 
 ARGS = ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "64MiB", "--background-workers", "1",
@@ -37,7 +37,8 @@ def cluster() -> Iterator[LocalCluster]:
 
 def test_detection(cluster: LocalCluster) -> None:
     assert cluster_enabled(cluster.url)
-    assert not cluster_enabled(DEFAULT_URL)
+    with shared_redis() as (single, _):
+        assert not cluster_enabled(single)
     assert isinstance(connect(cluster.url), redis.cluster.RedisCluster)
 
 

@@ -25,7 +25,7 @@ from sessions.items import Message, OutputText, parse_item
 from sessions.models import ConversationRef, Response, new_id
 from sessions.store import SessionStore, StoreConfig
 from tests.redis_cluster import LocalCluster, local_cluster
-from tests.redis_server import DEFAULT_URL, unique_prefix
+from tests.redis_server import shared_redis, unique_prefix
 
 LEASE_MS = 200
 OPS = ("start", "start", "finish", "finish", "kill", "rerun", "late_commit", "expire")
@@ -34,7 +34,8 @@ OPS = ("start", "start", "finish", "finish", "kill", "rerun", "late_commit", "ex
 @pytest.fixture(scope="module", params=["one-redis", "cluster"])
 def url(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "one-redis":
-        yield DEFAULT_URL
+        with shared_redis() as (shared, _):
+            yield shared
         return
     cluster: LocalCluster
     with local_cluster(3) as cluster:
