@@ -27,7 +27,7 @@ typecheck: $(STAMP)
 # private redis-server of their own; tests that stop, pause or fill Redis, and the managed mode of
 # `longctx serve`, always start their own: install redis-server when it is missing.
 redis: $(STAMP)
-	@command -v redis-server >/dev/null || \
+	@(command -v redis-server && command -v redis-cli) >/dev/null || \
 		( (apt-get update -q && apt-get install -y -q redis-server) || \
 		  (sudo apt-get update -q && sudo apt-get install -y -q redis-server) )
 
@@ -52,7 +52,7 @@ REDIS_URL ?=
 SERVE_ARGS ?=
 serve: $(STAMP) pull
 ifeq ($(REDIS_URL),)
-	@command -v redis-server >/dev/null || \
+	@(command -v redis-server && command -v redis-cli) >/dev/null || \
 		( (apt-get update -q && apt-get install -y -q redis-server) || \
 		  (sudo apt-get update -q && sudo apt-get install -y -q redis-server) )
 	@echo "longctx: starting the server on $(MODEL): http://$(HOST):$(PORT)/v1 (managed redis-server)"

@@ -26,6 +26,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-prefix", default="lc", help="prefix of every state key")
     p.add_argument("--state-ttl", type=int, default=30 * 86_400, help="seconds conversations and responses live")
     p.add_argument("--background-workers", type=int, default=2, help="background-response workers per process")
+    p.add_argument("--job-claim-idle-s", type=float, default=30.0,
+                   help="a background job whose worker sent no heartbeat for this long (its server died) is "
+                        "taken over by another server")  # fmt: skip
+    p.add_argument("--kv-commit-wait-ms", type=float, default=50.0,
+                   help="a turn's commit waits up to this long for its KV pages to reach Redis (so the next turn "
+                        "finds them on any replica); pages still queued are marked pending, and the next lookup "
+                        "waits for them")  # fmt: skip
     p.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV pages across requests")
     p.add_argument(
         "--kv-redis-max-memory", type=parse_bytes, default=2 << 30, help="maxmemory of the managed KV-cache Redis"
@@ -211,6 +218,26 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if report.failed else 0
 
 
+def _route(args: argparse.Namespace) -> int:
+    from api.router.proxy import serve
+
+    return serve(args.host, args.port, args.replica)
+
+
+def _state(args: argparse.Namespace) -> int:
+    import redis
+
+    from sessions.migrate import migrate
+
+    client = redis.Redis.from_url(args.redis_url)
+    try:
+        done = migrate(client, args.redis_prefix)
+    finally:
+        client.close()
+    print(f"migrated {done.keys} keys ({done.conversations} conversations, {done.responses} responses)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longctx", description="longctx: a server for long-running agent sessions")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -259,6 +286,18 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="a terminal client: chat with a running server")
     chat_client.add_arguments(chat)
     chat.set_defaults(func=chat_client.run)
+
+    route = sub.add_parser("route", help="a cache-aware front for N serve replicas (each turn goes where its cache is)")
+    route.add_argument("--host", default="127.0.0.1")
+    route.add_argument("--port", type=int, default=8080)
+    route.add_argument("--replica", action="append", default=[], required=True, help="a replica's URL (repeat)")
+    route.set_defaults(func=_route)
+
+    state = sub.add_parser("state", help="the state Redis: `migrate` an old key layout to today's")
+    state.add_argument("action", choices=["migrate"])
+    state.add_argument("--redis-url", required=True, help="the state Redis (one server, not a Cluster)")
+    state.add_argument("--redis-prefix", default="lc", help="prefix of every state key")
+    state.set_defaults(func=_state)
 
     models = sub.add_parser("models", help="manage models under $LONGCTX_HOME/models")
     models.add_argument("action", choices=["pull", "list"])

@@ -158,12 +158,17 @@ def setup(state: ServerState) -> None:
         name = o.served_model_name or state.loaded.source.name
         config = ServiceConfig(
             model=name, max_output_tokens=o.max_output_tokens, hosted_tools=o.hosted_tools,  # type: ignore[arg-type]
-            **o.generation,
+            kv_commit_wait_s=o.kv_commit_wait_ms / 1000, **o.generation,
         )  # fmt: skip
         svc = state.extras["sessions"] = SessionService(state.engine, store, tok, state.grammar, fmt, config)
         svc.waiting = tenant_queue(state)  # foreground responses count as their tenant's waiting requests
         if o.background_workers:
-            workers = state.extras["background"] = BackgroundWorkers(svc, o.background_workers)
+            workers = state.extras["background"] = BackgroundWorkers(
+                svc,
+                o.background_workers,
+                heartbeat_s=min(10.0, o.job_claim_idle_s / 3),
+                claim_idle_s=o.job_claim_idle_s,
+            )
             state.extras["workers"] = asyncio.create_task(workers.run(), name="background-workers")
             state.on_drain.append(workers.stop_claiming)
         loop = asyncio.get_running_loop()

@@ -127,7 +127,9 @@ class Startup:
         self.kv_redis_url = None if kv_flag == "none" else kv_flag
         import redis
 
-        client = redis.Redis.from_url(state.options.redis_url, socket_connect_timeout=5, socket_timeout=5)
+        from kvstore.redis_connect import connect
+
+        client = connect(state.options.redis_url, socket_connect_timeout=5, socket_timeout=5)
         try:
             client.ping()
         except redis.RedisError as e:
@@ -179,10 +181,12 @@ class Startup:
         grammar.json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}}}, where="warm-up")
 
     async def _routes(self, state: ServerState) -> None:
-        from redis.asyncio import Redis
+        from kvstore.redis_connect import connect_async
 
-        state.redis = Redis.from_url(state.options.redis_url)
-        await state.redis.ping()
+        # the socket timeout stays above the event streams' blocking reads (5 s)
+        client = connect_async(state.options.redis_url, socket_connect_timeout=5, socket_timeout=15)
+        await client.ping()
+        state.redis = client  # type: ignore[assignment]
         for hook in state.on_startup:
             await hook(state)
 
@@ -279,6 +283,8 @@ def run(
         redis_prefix=args.redis_prefix,
         state_ttl_s=args.state_ttl,
         background_workers=args.background_workers,
+        job_claim_idle_s=getattr(args, "job_claim_idle_s", 30.0),
+        kv_commit_wait_ms=getattr(args, "kv_commit_wait_ms", 50.0),
         max_output_tokens=args.max_output_tokens,
         served_model_name=args.served_model_name or "",
         tool_call_format=args.tool_call_format,

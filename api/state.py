@@ -38,6 +38,8 @@ class ServeOptions:
         redis_prefix: prefix `P` of every state key.
         state_ttl_s: expiry of conversations and responses, refreshed by writes.
         background_workers: background-job workers per process.
+        job_claim_idle_s: `--job-claim-idle-s` (`sessions.tasks.BackgroundWorkers`).
+        kv_commit_wait_ms: `--kv-commit-wait-ms` (`sessions.config.ServiceConfig.kv_commit_wait_s`).
         max_output_tokens: cap on a response's output tokens (the default when none is asked).
         served_model_name: the `model` the server answers to and reports.
         tool_call_format: `auto` (from the chat template) or a format name (`tools.formats`).
@@ -50,6 +52,8 @@ class ServeOptions:
     redis_prefix: str = "lc"
     state_ttl_s: int = 30 * 86_400
     background_workers: int = 2
+    job_claim_idle_s: float = 30.0
+    kv_commit_wait_ms: float = 50.0
     max_output_tokens: int = 4096
     served_model_name: str = ""
     tool_call_format: str = "auto"
@@ -62,6 +66,8 @@ class ServeOptions:
             raise ValueError(f"--redis-prefix must be non-empty without spaces, got {self.redis_prefix!r}")
         if self.state_ttl_s < 1 or self.max_output_tokens < 1 or self.background_workers < 0:
             raise ValueError("--state-ttl and --max-output-tokens must be >= 1, --background-workers >= 0")
+        if self.job_claim_idle_s <= 0 or self.kv_commit_wait_ms < 0:
+            raise ValueError("--job-claim-idle-s must be > 0 and --kv-commit-wait-ms >= 0")
 
 
 @dataclass

@@ -177,6 +177,14 @@ class Engine(EngineCore):
         if self.store is not None:
             self.store.close()
 
+    def kv_commit_wait(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until the KV pages queued for Redis so far are written (pages
+        still queued then are marked pending: `kvstore.redis_writer.RedisWriter.commit_wait`).
+        Any thread; True at once without a Redis tier."""
+        if self.store is None or self.store.redis is None:
+            return True
+        return self.store.redis.commit_wait(timeout_s)
+
     def __enter__(self) -> Engine:
         return self.start()
 

@@ -1,5 +1,9 @@
 """The Redis KV tier: one value per page under `{prefix}:{namespace}:{page hash}`.
 
+On a Redis Cluster (`kvstore.redis_connect`) pages spread over the masters by their key, that
+is by their content hash; a batched read is split per slot and pipelined per node, and a node
+that fails costs the pages of that read (recomputed), never a request.
+
 Writes go behind (`kvstore.redis_writer.RedisWriter`: a thread, a queue bounded in bytes,
 TTLs refreshed on use, lost pages written again). Reads (`get_prefix`, one `MGET` of at most
 `BATCH_BYTES` per batch) run on the caller's thread, which the store keeps off the step
@@ -24,6 +28,7 @@ import redis
 import torch
 
 from kvstore.codec import BadPage, PageCodec
+from kvstore.redis_connect import cluster_enabled, connect, mget
 from kvstore.redis_writer import BATCH_BYTES, RedisCounters, RedisWriter
 from kvstore.transfer_estimate import TransferEstimate
 
@@ -32,6 +37,8 @@ __all__ = ["BATCH_BYTES", "RedisCounters", "RedisTier"]
 log = logging.getLogger("longctx.kv.redis")
 
 KEYS_PER_PIPELINE = 512  # EXISTS per pipeline when counting (keys only: no values move)
+PENDING_WAIT_S = 5.0  # longest wait for one pending page (the caller's deadline usually ends it first)
+PENDING_POLL_S = 0.005
 
 
 class RedisTier:
@@ -61,11 +68,17 @@ class RedisTier:
         self.retry_s = retry_s
         self.counters = RedisCounters()
         self.link = TransferEstimate()
-        self._reader = redis.Redis.from_url(url, socket_timeout=min(timeout_s, 1.0), socket_connect_timeout=1.0)
+        try:
+            self.cluster = cluster_enabled(url, timeout_s=1.0)
+        except redis.RedisError:
+            self.cluster = False  # unreachable now: a single server until it answers (a restart asks again)
+        self._reader = connect(
+            url, cluster=self.cluster, socket_timeout=min(timeout_s, 1.0), socket_connect_timeout=1.0
+        )
         self._read_down_until = 0.0
         self._connect_reader()
-        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=1.0)
-        self.writer = RedisWriter(client, codec, self.key, ttl_s, max_pending_bytes, self.counters, self.link, retry_s)
+        client = connect(url, cluster=self.cluster, socket_timeout=timeout_s, socket_connect_timeout=1.0)
+        self.writer = RedisWriter(client, codec, self.key, ttl_s, max_pending_bytes, self.counters, self.link, retry_s)  # type: ignore[arg-type]
         self.value_bytes = self.writer.value_bytes
         self.pages_per_read = max(1, BATCH_BYTES // self.value_bytes)
 
@@ -89,6 +102,11 @@ class RedisTier:
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued write and refresh is done or dropped (tests, shutdown)."""
         return self.writer.flush(timeout_s)
+
+    def commit_wait(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the pages queued so far; the rest are marked pending
+        (`RedisWriter.commit_wait`)."""
+        return self.writer.commit_wait(timeout_s)
 
     def fetch_cost_s(self, num_pages: int) -> float:
         """Expected seconds to read `num_pages` pages, from the measured round trip and rate."""
@@ -114,19 +132,35 @@ class RedisTier:
     def get_prefix(self, page_hashes: list[bytes], out: list[bytes], cancel: threading.Event) -> None:
         """Append to `out` the verified payloads of the leading pages found, batch by batch, so
         that a caller out of time can use what has arrived; stops at the first missing or bad
-        page, or when `cancel` is set."""
+        page, or when `cancel` is set. A missing page marked pending (its turn committed
+        before its writer was done: `RedisWriter.commit_wait`) is waited for until it lands,
+        the mark goes, `cancel` is set (the caller's deadline) or `PENDING_WAIT_S` passes."""
         try:
-            for start in range(0, len(page_hashes), self.pages_per_read):
+            start = 0
+            waited_until = 0.0
+            while start < len(page_hashes):
                 if cancel.is_set():
                     return
                 hashes = page_hashes[start : start + self.pages_per_read]
                 t0 = time.monotonic()
-                values: list[bytes | None] = self._reader.mget([self.key(h) for h in hashes])  # type: ignore[assignment]
+                values: list[bytes | None] = mget(self._reader, [self.key(h) for h in hashes])
                 self.link.observe(sum(len(v) for v in values if v is not None), time.monotonic() - t0)
                 for h, value in zip(hashes, values, strict=True):
                     if value is None:
+                        if waited_until == 0.0 and self._reader.exists(self.key(h) + ":pending"):
+                            self.counters.pending_waited += 1
+                            waited_until = time.monotonic() + PENDING_WAIT_S
+                        if waited_until and time.monotonic() < waited_until:
+                            if not self._reader.exists(self.key(h) + ":pending") and not self._reader.exists(
+                                self.key(h)
+                            ):
+                                self.counters.missing += 1
+                                return
+                            time.sleep(PENDING_POLL_S)
+                            break  # read again from this page
                         self.counters.missing += 1
                         return
+                    waited_until = 0.0
                     try:
                         payload = self.codec.decode(value, h)
                     except BadPage as e:
@@ -135,6 +169,7 @@ class RedisTier:
                         return
                     out.append(payload)
                     self.counters.found += 1
+                    start += 1
         except redis.RedisError as e:
             self.counters.read_failures += 1
             was_up = self.readable()

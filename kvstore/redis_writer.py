@@ -57,12 +57,17 @@ class RedisCounters:
     refreshed: int = 0  # TTLs refreshed on use
     absent: int = 0  # used pages whose key was gone when refreshed
     rewritten: int = 0  # of those, pages written again from device memory
+    commit_waits: int = 0  # turn commits that waited for their pages (`commit_wait`)
+    commit_wait_timeouts: int = 0  # of those, waits that ended at the bound (pages marked pending)
+    pending_marked: int = 0  # pages marked pending in Redis at such a bound
+    pending_waited: int = 0  # lookups that found a pending mark and waited for the page
 
 
 class _Save(NamedTuple):
     hashes: list[bytes]
     pages: torch.Tensor  # [N, L, 2, P, H, D] model dtype, a copy
     num_bytes: int
+    seq: int = 0  # the order it was queued in (`commit_wait`)
 
 
 class _Touch(NamedTuple):
@@ -113,6 +118,11 @@ class RedisWriter:
         self.rewrite: Callable[[list[bytes]], tuple[list[bytes], torch.Tensor] | None] | None = None
         self._idle = threading.Event()
         self._idle.set()
+        self._queued_seq = 0  # of the last save queued
+        self._done = threading.Condition(self._lock)
+        self._done_seqs: set[int] = set()  # saves written or dropped, above _done_below
+        self._done_below = 1  # every save with a lower seq is done
+        self._queued: dict[int, list[bytes]] = {}  # seq -> hashes of saves not yet done
         self._thread = threading.Thread(target=self._write_loop, name="longctx-kv-writer", daemon=True)
         self._thread.start()
 
@@ -138,7 +148,10 @@ class RedisWriter:
             now = time.monotonic()
             for h in page_hashes:  # a SET starts a fresh TTL
                 self._remember(h, now)
-        self._queue.put(_Save(page_hashes, pages, num_bytes))
+            self._queued_seq += 1
+            seq = self._queued_seq
+            self._queued[seq] = page_hashes
+        self._queue.put(_Save(page_hashes, pages, num_bytes, seq))
 
     def touch(self, page_hashes: list[bytes]) -> None:
         """These pages were used again: refresh the TTL of those not refreshed for `refresh_s`
@@ -196,6 +209,14 @@ class RedisWriter:
                 self._pending_items -= len(batch)
                 if self._pending_items == 0:
                     self._idle.set()
+                for b in saves:
+                    if b.seq:
+                        self._queued.pop(b.seq, None)
+                        self._done_seqs.add(b.seq)
+                while self._done_below in self._done_seqs:
+                    self._done_seqs.discard(self._done_below)
+                    self._done_below += 1
+                self._done.notify_all()
 
     def _execute(self, pipe: redis.client.Pipeline, num_bytes: int | None) -> list[object]:
         """Run a pipeline; one that moved `num_bytes` of values is timed into the link estimate
@@ -292,6 +313,42 @@ class RedisWriter:
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued write and refresh is done or dropped (tests, shutdown)."""
         return self._idle.wait(timeout_s)
+
+    def commit_wait(self, timeout_s: float, pending_ttl_s: float = 30.0) -> bool:
+        """A turn is about to commit: wait up to `timeout_s` until every page queued so far is
+        written (or dropped), so that the next turn, on any server, finds them. At the bound the
+        pages still queued are marked pending in Redis (`<page key>:pending`, `pending_ttl_s`):
+        a lookup that meets such a mark waits for the page (`RedisTier.get_prefix`) rather than
+        recomputing it. True if nothing was left queued."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            target = self._queued_seq
+            if self._done_below > target:
+                return True
+            self.counters.commit_waits += 1
+            while self._done_below <= target:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._done.wait(left)
+            if self._done_below > target:
+                return True
+            self.counters.commit_wait_timeouts += 1
+            left_over = [h for seq, hashes in self._queued.items() if seq <= target for h in hashes]
+        self._mark_pending(left_over, pending_ttl_s)
+        return False
+
+    def _mark_pending(self, hashes: list[bytes], ttl_s: float) -> None:
+        if not hashes or not self.writable():
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for h in hashes:
+            pipe.set(self.key(h) + ":pending", b"1", px=int(ttl_s * 1000), nx=True)
+        try:
+            pipe.execute(raise_on_error=False)
+            self.counters.pending_marked += len(hashes)
+        except redis.RedisError as e:
+            log.info("KV pending marks not written: %s", e)
 
     def close(self) -> None:
         self._closing = True

@@ -48,6 +48,9 @@ class ServiceConfig:
     lease_renew_s: how often a running turn renews its conversation's lease.
     hosted_tools: what a hosted tool (`web_search`, ...) gets (`--hosted-tools`): `ignore` (not
         offered to the model, echoed in the response) or `reject` (400 naming `tools[i].type`).
+    kv_commit_wait_s: how long a turn's commit waits for its KV pages to reach Redis
+        (`--kv-commit-wait-ms`), so the next turn on any server finds them; past it the pages
+        still queued are marked pending and the next lookup waits for them.
     temperature, top_p: what a request that gives none samples with (`--override-generation-config`,
         vLLM's flag): clients such as the Codex CLI send no temperature, and a small model
         sampled at 1.0 may never end its reply.
@@ -56,6 +59,7 @@ class ServiceConfig:
     model: str = "longctx"
     max_output_tokens: int = 4096
     lease_renew_s: float = 10.0
+    kv_commit_wait_s: float = 0.05
     hosted_tools: Literal["ignore", "reject"] = "ignore"
     temperature: float = 1.0
     top_p: float = 1.0
@@ -68,6 +72,8 @@ class ServiceConfig:
                              f"{self.top_p}")  # fmt: skip
         if self.hosted_tools not in ("ignore", "reject"):
             raise ValueError(f"hosted_tools must be ignore or reject, got {self.hosted_tools!r}")
+        if self.kv_commit_wait_s < 0:
+            raise ValueError(f"kv_commit_wait_s must be >= 0, got {self.kv_commit_wait_s}")
         if self.lease_renew_s <= 0:
             raise ValueError(f"lease_renew_s must be > 0, got {self.lease_renew_s}")
 

@@ -1,6 +1,6 @@
 """Conversations in Redis: their items, their lease, and the commit of a turn. Keys
-`P:conv:c` (hash), `P:conv:c:order` (zset), `P:conv:c:items` (hash), `P:conv:c:lease`; layout
-and rules in `sessions.store`.
+`P:{t}:conv:c` (hash), `…:order` (zset), `…:items` (hash), `…:lease`; layout and rules in
+`sessions.store`.
 
 A turn on a conversation runs as: `acquire_lease` (the fence; ConversationBusy if another
 response runs), `load` (items, version, the last turn's tokens), `renew_lease` every few
@@ -90,7 +90,7 @@ class ConversationStore:
 
     async def load(self, tenant: str, conv_id: str) -> ConversationContext:
         """The conversation, all its items in order and its last turn's tokens, in one round trip."""
-        keys, args = self.keys.conversation(conv_id), [tenant, self.keys.resp("")]
+        keys, args = self.keys.conversation(conv_id), [tenant, self.keys.prefix]
         reply = await self.retrier.script(self.scripts.load_conversation, keys, args, conv_id)
         created_at, metadata, version, last, prompt, output, bodies = reply
         conv = Conversation(id=conv_id, created_at=int(created_at), metadata=_metadata(metadata))
@@ -147,7 +147,7 @@ class ConversationStore:
         """Take the conversation for `resp_id` for `lease_ttl_ms` and return the fence.
         ConversationBusy while another response holds it; the same response takes it over
         with a new fence (its earlier holder then gets LeaseLost)."""
-        keys = [self.keys.conv(conv_id), self.keys.lease(conv_id), self.keys.fence]
+        keys = [self.keys.conv(conv_id), self.keys.lease(conv_id)]
         args = [tenant, resp_id, self.config.lease_ttl_ms]
         return int(await self.retrier.script(self.scripts.acquire_lease, keys, args, conv_id))
 

@@ -1,4 +1,4 @@
-"""Responses in Redis: `P:resp:r` (hash) and `P:resp:r:items` (its input items); layout and
+"""Responses in Redis: `P:{t}:resp:r` (hash) and `…:items` (its input items); layout and
 rules in `sessions.store`. A response in a conversation is written by the conversation's
 `commit_turn`; any response (or a snapshot of a running one) by `ResponseStore.save`.
 
@@ -172,8 +172,9 @@ class ResponseStore:
         """Every response of the `previous_response_id` chain ending at `resp_id`, oldest first,
         with its input items, in one round trip (one script). Raises NotFound naming the first
         missing (or foreign) link, ChainTooLong past `max_chain` responses."""
-        args = [self.keys.resp(""), tenant, resp_id, self.config.max_chain]
-        prompt, output, *links = await self.retrier.script(self.scripts.load_chain, [], args, resp_id)
+        args = [self.keys.prefix, tenant, resp_id, self.config.max_chain]
+        keys = [self.keys.resp(resp_id)]
+        prompt, output, *links = await self.retrier.script(self.scripts.load_chain, keys, args, resp_id)
         chain = [ChainLink(decode_response(body), decode_items(items)) for body, items in reversed(links)]
         return Chain(chain, unpack_ids(prompt), unpack_ids(output))
 

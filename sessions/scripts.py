@@ -44,6 +44,8 @@ local function mget(h, ids)
   return out
 end
 local function owned(conv, tenant) return redis.call('HGET', conv, 'tenant') == tenant end
+-- the key of response `id` under prefix p (`sessions.keys.Keys.resp`): same slot tag
+local function rkey(p, id) return p .. ':{' .. (string.gsub(string.sub(id, -16), '[{}]', '_')) .. '}:resp:' .. id end
 """
 
 # KEYS conv, order, items; ARGV tenant, created_at, metadata, ttl, n, (id, body) * n
@@ -97,7 +99,9 @@ redis.call('DEL', unpack(KEYS))
 return 1
 """
 
-# KEYS conv, lease, fence counter; ARGV tenant, response id, ttl ms. Same response: a new fence.
+# KEYS conv, lease; ARGV tenant, response id, ttl ms. Same response: a new fence. The fence
+# counter is the conversation hash's field `fence` (one slot; it never goes back while the
+# conversation exists, and a deleted conversation's lease is gone with it).
 ACQUIRE_LEASE = """
 if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'conversation') end
 local held = redis.call('GET', KEYS[2])
@@ -105,7 +109,7 @@ if held then
   local holder = string.match(held, '^(.*):%d+$')
   if holder ~= ARGV[2] then return fail('BUSY', holder) end
 end
-local fence = redis.call('INCR', KEYS[3])
+local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
 redis.call('SET', KEYS[2], ARGV[2] .. ':' .. fence, 'PX', ARGV[3])
 return fence
 """
@@ -199,13 +203,13 @@ if #ids > limit then more = 1; ids[#ids] = nil end
 return {more, mget(KEYS[3], ids)}
 """
 
-# KEYS conv, order, items; ARGV tenant, response key prefix ('P:resp:')
+# KEYS conv, order, items; ARGV tenant, key prefix P (the last response shares the slot)
 # -> {created_at, metadata, version, last_response, prompt_ids, output_ids, {item JSON...}}
 LOAD_CONVERSATION = """
 local h = redis.call('HMGET', KEYS[1], 'tenant', 'created_at', 'metadata', 'version', 'last_response')
 if h[1] ~= ARGV[1] then return fail('NOTFOUND', 'conversation') end
 local tokens = {false, false}
-if h[5] and h[5] ~= '' then tokens = redis.call('HMGET', ARGV[2] .. h[5], 'prompt_ids', 'output_ids') end
+if h[5] and h[5] ~= '' then tokens = redis.call('HMGET', rkey(ARGV[2], h[5]), 'prompt_ids', 'output_ids') end
 return {h[2], h[3], h[4], h[5], tokens[1], tokens[2], mget(KEYS[3], redis.call('ZRANGE', KEYS[2], 0, -1))}
 """
 
@@ -216,16 +220,17 @@ if h[1] ~= ARGV[1] then return fail('NOTFOUND', 'response') end
 return mget(KEYS[2], cjson.decode(h[2] or '[]'))
 """
 
-# ARGV response key prefix ('P:resp:'), tenant, newest response id, max depth
+# KEYS the newest response's key (every link shares its slot: `sessions.ids`)
+# ARGV key prefix P, tenant, newest response id, max depth
 # -> {prompt_ids, output_ids (of the newest), {response JSON, {input item JSON...}} newest first}
 LOAD_CHAIN = """
 local prefix, tenant, id = ARGV[1], ARGV[2], ARGV[3]
-local tokens = redis.call('HMGET', prefix .. id, 'prompt_ids', 'output_ids')
+local tokens = redis.call('HMGET', rkey(prefix, id), 'prompt_ids', 'output_ids')
 local out = {tokens[1], tokens[2]}
 for _ = 1, tonumber(ARGV[4]) do
-  local h = redis.call('HMGET', prefix .. id, 'tenant', 'response', 'input_ids', 'prev')
+  local h = redis.call('HMGET', rkey(prefix, id), 'tenant', 'response', 'input_ids', 'prev')
   if h[1] ~= tenant then return fail('NOTFOUND', 'response ' .. id) end
-  out[#out + 1] = {h[2], mget(prefix .. id .. ':items', cjson.decode(h[3] or '[]'))}
+  out[#out + 1] = {h[2], mget(rkey(prefix, id) .. ':items', cjson.decode(h[3] or '[]'))}
   if not h[4] or h[4] == '' then return out end
   id = h[4]
 end

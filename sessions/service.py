@@ -105,7 +105,7 @@ class SessionService:
         undo = _Undo(self.store, tenant)
         turn: Turn | None = None
         if idempotency_key is not None and req.store:
-            first = await undo.bind(idempotency_key)
+            first = await undo.bind(idempotency_key, _slot_of(req))
             if first is not None:
                 return await self._repeat(tenant, first, req.stream)
         try:
@@ -116,7 +116,14 @@ class SessionService:
                 raise
             if req.background:
                 return await self._enqueue(plan, undo, req.stream)
-            turn = Turn(self.engine, self.store, plan, plan.assembler.writer, self.config.lease_renew_s)
+            turn = Turn(
+                self.engine,
+                self.store,
+                plan,
+                plan.assembler.writer,
+                self.config.lease_renew_s,
+                self.config.kv_commit_wait_s,
+            )
             turn.waiting = WaitingPlace(self.waiting, tenant)  # the tenant's 429 before any write
             if plan.store:  # retrievable while it runs, `failed` if its server dies (`sessions.recovery`)
                 if plan.conversation_id is None:
@@ -145,7 +152,7 @@ class SessionService:
     ) -> TurnPlan:
         """Every check of step 1 (see the module docstring), and what the turn needs."""
         specs = self._tools(req)
-        resp_id = undo.resp_id or new_id("resp")
+        resp_id = undo.resp_id or new_id("resp", like=_slot_of(req))
         fence = None
         if req.conversation_id is not None:
             fence = await self.store.conversations.acquire_lease(tenant, req.conversation_id, resp_id)
@@ -382,6 +389,12 @@ def _param(e: Exception, req: ResponseRequest, default: str) -> str:
     return default
 
 
+def _slot_of(req: ResponseRequest) -> str | None:
+    """The id whose slot tag a new response shares (`sessions.ids`): its conversation's, or its
+    previous response's (so a whole chain lies in one Redis Cluster slot)."""
+    return req.conversation_id or req.body.previous_response_id
+
+
 class _Undo:
     """What step 1 of `create` took and gives back when a later check fails."""
 
@@ -391,8 +404,8 @@ class _Undo:
         self.resp_id: str | None = None
         self.lease: tuple[str, str, int] | None = None
 
-    async def bind(self, key: str) -> str | None:
-        resp_id = new_id("resp")
+    async def bind(self, key: str, like: str | None = None) -> str | None:
+        resp_id = new_id("resp", like=like)
         first = await self.store.remember_idempotency(self.tenant, key, resp_id)
         if first is None:
             self.key, self.resp_id = (key, resp_id), resp_id

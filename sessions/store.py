@@ -1,24 +1,29 @@
 """Conversations, items, leases and responses in Redis (redis.asyncio): the session store.
 
-Key layout (`P` = prefix, default `lc`; `c` a conversation id, `r` a response id):
+Key layout (`P` = prefix, default `lc`; `c` a conversation id, `r` a response id; `{t}` the
+hash tag of the id's slot tag, `sessions.ids.slot_tag`: a response in a conversation shares the
+conversation's tag, a response chained by `previous_response_id` its previous response's):
 
-    key                    type    holds
-    P:conv:c               hash    tenant, created_at, metadata (JSON), version, next (position),
-                                   last_response (whose tokens match the items; '' if none)
-    P:conv:c:order         zset    item ids scored by position (a deleted item leaves a gap)
-    P:conv:c:items         hash    item id -> item JSON (`sessions.items`)
-    P:conv:c:lease         string  `r:fence` of the response running on c; PX 30 s, renewed
-    P:fence                string  fence counter (INCR); never expires
-    P:resp:r               hash    tenant, status, response (JSON), prev, conv, input_ids (JSON),
-                                   prompt_ids, output_ids (uint32 little-endian), committed
-    P:resp:r:items         hash    the response's input items, id -> JSON (also when the turn
-                                   was in a conversation, so input_items survive item deletes)
-    P:resp:r:lease         string  set while a stored foreground response outside a
-                                   conversation runs; PX 30 s, renewed, dropped at its commit
-    P:resp:r:events        stream  events by sequence number (`sessions.streams`)
-    P:jobs                 stream  background responses, group `workers` (`sessions.streams`)
-    P:idem:<tenant>:<key>  string  Idempotency-Key -> response id, 24 h
-    P:secret               string  HMAC key for compaction items; SET NX once, never expires
+    key                       type    holds
+    P:{t}:conv:c              hash    tenant, created_at, metadata (JSON), version, next (position),
+                                      last_response (whose tokens match the items; '' if none),
+                                      fence (the lease fence counter)
+    P:{t}:conv:c:order        zset    item ids scored by position (a deleted item leaves a gap)
+    P:{t}:conv:c:items        hash    item id -> item JSON (`sessions.items`)
+    P:{t}:conv:c:lease        string  `r:fence` of the response running on c; PX 30 s, renewed
+    P:{t}:resp:r              hash    tenant, status, response (JSON), prev, conv, input_ids (JSON),
+                                      prompt_ids, output_ids (uint32 little-endian), committed
+    P:{t}:resp:r:items        hash    the response's input items, id -> JSON (also when the turn
+                                      was in a conversation, so input_items survive item deletes)
+    P:{t}:resp:r:lease        string  set while a stored foreground response outside a
+                                      conversation runs; PX 30 s, renewed, dropped at its commit
+    P:{t}:resp:r:events       stream  events by sequence number (`sessions.streams`)
+    P:jobs                    stream  background responses, group `workers` (`sessions.streams`)
+    P:idem:<tenant>:<key>     string  Idempotency-Key -> response id, 24 h
+    P:secret, P:rkey          string  HMAC key of compaction items, AES key of sealed reasoning;
+                                      SET NX once, never expire
+    P:layout                  string  "2": this key layout (`longctx state migrate` converts
+                                      the layout before it, `P:conv:c`, `P:resp:r`, `P:fence`)
 
 Rules:
 - Every change of more than one key is one Lua script (`sessions.scripts`, EVALSHA). A script
@@ -37,7 +42,12 @@ Rules:
 - State keys carry `state_ttl_s`, refreshed by every write to them.
 - `conversations.load` and `responses.load_chain` are single read scripts (one round trip,
   one snapshot) that follow the ids they read (the last response, `previous_response_id`
-  links), and leases share one fence counter: the store needs one Redis, not a Cluster.
+  links): those share the slot of the keys the script is given, so the store runs on one
+  Redis or on a Redis Cluster (`kvstore.redis_connect`). Cross-slot work is single-key by
+  design: the job stream (`P:jobs`, one key: its node queues every background job), the
+  idempotency keys, the shared secrets; a lease's fence counter lives in its conversation's
+  hash. A chain that continues a response written before this layout (no shared tag) works on
+  one Redis only; `longctx state migrate` rewrites such a database.
 """
 
 from __future__ import annotations
@@ -49,10 +59,11 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from kvstore.redis_connect import connect_async, is_cluster_client
 from sessions.config import StoreConfig
 from sessions.conversations import ConversationContext, ConversationStore
 from sessions.errors import UnsuitableServer
-from sessions.keys import Keys
+from sessions.keys import LAYOUT, Keys
 from sessions.responses import Chain, ChainLink, ResponseStore
 from sessions.retry import Retrier
 from sessions.scripts import Scripts
@@ -89,10 +100,11 @@ class SessionStore:
 
     @classmethod
     def connect(cls, url: str, config: StoreConfig | None = None) -> SessionStore:
-        """A store on a new client for `url` (redis:// or unix://). redis-py's own retries are
-        off: this store retries, within `retry_budget_s`."""
-        client = Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=10.0, retry=Retry(NoBackoff(), 0))
-        return cls(client, config)
+        """A store on a new client for `url` (redis:// or unix://; a Redis Cluster node gives a
+        cluster client). redis-py's own retries are off: this store retries, within
+        `retry_budget_s`."""
+        client = connect_async(url, socket_connect_timeout=1.0, socket_timeout=10.0, retry=Retry(NoBackoff(), 0))
+        return cls(client, config)  # type: ignore[arg-type]
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -100,7 +112,41 @@ class SessionStore:
     async def check_server(self) -> None:
         """Refuse a server that could lose conversations: UnsuitableServer unless it runs
         `maxmemory-policy noeviction` and Redis 7 or later."""
-        info = await self.retrier.run(self.client.info, "check_server")
+        infos = await self.retrier.run(self._infos, "check_server")
+        for info in infos:
+            self._check_info(info)
+        await self.check_layout()
+
+    async def _infos(self) -> list[dict[str, Any]]:
+        if is_cluster_client(self.client):  # every master holds some conversations
+            replies = await self.client.info(target_nodes="primaries")  # type: ignore[call-arg]
+            return list(replies.values()) if isinstance(replies, dict) and "redis_version" not in replies else [replies]
+        return [await self.client.info()]
+
+    async def check_layout(self) -> None:
+        """Refuse a database written with the key layout before hash tags (`P:conv:c`): its
+        conversations would seem gone. `longctx state migrate` rewrites it; a database with no
+        state keys is marked with this layout (`P:layout`)."""
+        if await self.client.get(self.keys.layout) == LAYOUT.encode():
+            return
+        if not is_cluster_client(self.client):
+            old = [await self._first(f"{self.keys.prefix}:{kind}:*") for kind in ("conv", "resp")]
+            if any(old):
+                raise UnsuitableServer(
+                    f"the state Redis holds conversations in the key layout before hash tags "
+                    f"({self.keys.prefix}:conv:...); run `longctx state migrate --redis-url URL "
+                    f"--redis-prefix {self.keys.prefix}` once (with the servers stopped), then start again"
+                )
+        await self.client.set(self.keys.layout, LAYOUT)
+
+    async def _first(self, match: str) -> bytes | None:
+        """The first key matching `match`, if any (SCAN)."""
+        async for key in self.client.scan_iter(match=match, count=1000):
+            return bytes(key)
+        return None
+
+    @staticmethod
+    def _check_info(info: dict[str, Any]) -> None:
         policy = info.get("maxmemory_policy")
         if policy != "noeviction":
             raise UnsuitableServer(
@@ -136,7 +182,7 @@ class SessionStore:
         """The AES-256-GCM key of reasoning items' `encrypted_content` (`sessions.sealed`): made
         once (SET NX, `P:rkey`), shared by every server."""
         if self._rkey is None:
-            self._rkey = await self._shared_key(f"{self.keys.prefix}:rkey")
+            self._rkey = await self._shared_key(self.keys.rkey)
         return self._rkey
 
     async def _shared_key(self, key: str) -> bytes:

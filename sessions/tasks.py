@@ -214,7 +214,7 @@ class BackgroundWorkers:
             attempt = {"attempt": 2} if seen else {}  # a rerun after a dead worker's attempt
             writer = EventWriter(self.store_sink(resp_id), first=seen[-1] + 1 if seen else 0, extra=attempt)
             plan.assembler.writer = writer
-            turn = Turn(svc.engine, self.store, plan, writer, svc.config.lease_renew_s)
+            turn = Turn(svc.engine, self.store, plan, writer, svc.config.lease_renew_s, svc.config.kv_commit_wait_s)
             turn.submit()
         except BaseException:
             await undo.run()

@@ -7,9 +7,9 @@ which matches ids, would miss from the first such boundary on. So after each tur
 normally the ids it ran on, prompt + output P + O, are kept for `TTL_S` under a hash of the text
 they stand for (`decode(P + O)`), and the next request without a stored chain looks its
 rendered prompt up: every place where the prompt continues with an end-of-turn marker (the text
-before it is where a turn's output ended) is hashed, all candidates are fetched in one MGET, and
-the longest hit whose ids decode to exactly that text becomes the `previous` ids the new prompt
-continues (`sessions.render.build_prompt`).
+before it is where a turn's output ended) is hashed, all candidates are fetched in one MGET
+(split per slot on a Redis Cluster), and the longest hit whose ids decode to exactly that
+text becomes the `previous` ids the new prompt continues (`sessions.render.build_prompt`).
 
 It is a cache, not stored state, so it keeps `store: false`'s meaning: entries expire by
 themselves, are per tenant, hold ids only (no items, no response), and losing one costs a
@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+
+from kvstore.redis_connect import mget_async
 
 log = logging.getLogger("longctx.sessions")
 
@@ -69,7 +71,7 @@ class TokenCache:
         if not cuts:
             return []
         try:
-            values = await self.client.mget([text_key(self.prefix, tenant, text[:c]) for c in cuts])
+            values = await mget_async(self.client, [text_key(self.prefix, tenant, text[:c]) for c in cuts])
         except RedisError as e:
             log.warning("token cache read failed: %s", e)
             return []

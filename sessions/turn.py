@@ -81,8 +81,17 @@ class TurnPlan:
 class Turn:
     """Runs one `TurnPlan` (see the module docstring); `stop` ends it early from any task."""
 
-    def __init__(self, engine: Engine, store: SessionStore, plan: TurnPlan, writer: EventWriter, renew_s: float = 10):
+    def __init__(
+        self,
+        engine: Engine,
+        store: SessionStore,
+        plan: TurnPlan,
+        writer: EventWriter,
+        renew_s: float = 10,
+        kv_wait_s: float = 0.05,
+    ):
         self.engine, self.store, self.plan, self.writer, self.renew_s = engine, store, plan, writer, renew_s
+        self.kv_wait_s = kv_wait_s  # the commit waits this long for the turn's KV pages (`kv_commit_wait`)
         self.handle: RequestHandle | None = None
         self.stopped: StopWhy | None = None
         self.result: Response | None = None
@@ -188,6 +197,9 @@ class Turn:
         p = self.plan
         if not p.store:
             return final
+        store = getattr(self.engine, "store", None)
+        if self.kv_wait_s > 0 and getattr(store, "redis", None) is not None:  # the next turn may run elsewhere
+            await asyncio.to_thread(self.engine.kv_commit_wait, self.kv_wait_s)
         try:
             if p.conversation_id is not None:
                 assert p.fence is not None

@@ -33,7 +33,7 @@ ARGS = (
     "--max-model-len", "1024", "--max-body-bytes", "16KiB", "--max-output-tokens", "4", "--kv-redis-url", "none",
     "--hosted-tools", "reject",
 )  # fmt: skip
-COUNTERS = (":fence",)  # keys that change legitimately on a refused request (a lease's fence)
+COUNTERS = (":fence", ":layout")  # keys that change legitimately on a refused request (the fence, the layout mark)
 LONG = "word " * 1500  # about 1500 tokens: more than --max-model-len, less than the body limit
 HUGE = "x" * 20_000  # over --max-body-bytes
 FN = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
@@ -252,7 +252,7 @@ CASES: list[tuple[str, str, str, Any, str | None, int, str | None, tuple[str, ..
 
 
 def snapshot(url: str, prefix: str) -> dict[str, Any]:
-    """Every key under `prefix` with its value (by type), except counters."""
+    """Every key under `prefix` with its value (by type), except counters (and the fence field)."""
     r = redis.Redis.from_url(url)
     out: dict[str, Any] = {}
     for raw in r.scan_iter(match=f"{prefix}:*", count=1000):
@@ -262,8 +262,8 @@ def snapshot(url: str, prefix: str) -> dict[str, Any]:
         kind = r.type(key).decode()
         if kind == "string":
             out[key] = r.get(key)
-        elif kind == "hash":
-            out[key] = r.hgetall(key)
+        elif kind == "hash":  # a conversation's lease fence counter is a field of its hash
+            out[key] = {f: v for f, v in r.hgetall(key).items() if f != b"fence"}
         elif kind == "zset":
             out[key] = r.zrange(key, 0, -1, withscores=True)
         elif kind == "list":

@@ -20,6 +20,7 @@ import openai
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from sessions.keys import Keys
 from tests.redis_server import delete_prefix, shared_redis, unique_prefix
 from tests.server import TEST_KEY, Server, keys_args, start_server
 
@@ -42,7 +43,7 @@ def _client(server: Server) -> openai.OpenAI:
 def _events_stored(url: str, prefix: str, resp_id: str) -> int:
     client = redis.Redis.from_url(url)
     try:
-        return int(client.xlen(f"{prefix}:resp:{resp_id}:events"))
+        return int(client.xlen(Keys(prefix).events(resp_id)))
     finally:
         client.close()
 

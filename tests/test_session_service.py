@@ -41,9 +41,13 @@ def dump(target: tuple[str, str]) -> dict[bytes, Any]:
     """Our keys and contents, but the fence counter (every lease takes a number; it only grows) and
     the token cache (`sessions.token_cache`: ids of finished turns, expiring, stored state of none)."""
     r = redis.Redis.from_url(target[0])
-    read = {b"string": r.get, b"hash": r.hgetall, b"zset": lambda k: r.zrange(k, 0, -1, withscores=True)}
+
+    def fields(k: bytes) -> dict[bytes, bytes]:  # a conversation's fence counter is a field of its hash
+        return {f: v for f, v in r.hgetall(k).items() if f != b"fence"}
+
+    read = {b"string": r.get, b"hash": fields, b"zset": lambda k: r.zrange(k, 0, -1, withscores=True)}
     keys = [k for k in r.scan_iter(match=f"{target[1]}*")
-            if r.type(k) in read and not k.endswith(b":fence") and b":tok:" not in k]  # fmt: skip
+            if r.type(k) in read and b":tok:" not in k and not k.endswith(b":layout")]  # fmt: skip
     return {k: read[r.type(k)](k) for k in keys}
 
 

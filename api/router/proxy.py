@@ -1,0 +1,191 @@
+"""The router's ASGI app: pick a replica (`Router.choose`), pass the request through with its
+headers unchanged (`Authorization` included: the replica authenticates), relay the answer as it
+arrives (SSE chunks are sent on at once, never buffered), learn where the request's key and
+its new response id went, retry a 429 once on another replica, and move off a replica whose
+connection fails (it leaves the rotation; a stream cut mid-way ends with an `error` event).
+
+Every answer carries `x-longctx-replica: <replica URL>`. Own routes: `/health`, `/ready` (200
+while a replica is in rotation), `/metrics` (`api.router.metrics`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from api.router.affinity import RESPONSE_ID, AffinityTable, id_key, request_key, tenant_of
+from api.router.metrics import RouterCounters, render
+from api.router.replicas import OVERLOADED, Replica, Replicas
+
+log = logging.getLogger("longctx.route")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-connection"}
+SNIFF_BYTES = 4096  # of an answer, searched for the new response's id
+
+
+class Router:
+    def __init__(self, urls: list[str]):
+        self.replicas = Replicas(urls)
+        self.table = AffinityTable()
+        self.counters = RouterCounters()
+        self.client: httpx.AsyncClient | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    # ---- choosing ----
+
+    def choose(self, key: str | None, exclude: set[str]) -> Replica | None:
+        if key is not None:
+            url = self.table.get(key)
+            r = self.replicas.by_url.get(url) if url is not None else None
+            if r is not None and r.healthy and r.url not in exclude and r.in_flight < OVERLOADED:
+                self.counters.affinity_hits += 1
+                return r
+            if r is None:
+                self.counters.affinity_misses += 1
+            else:
+                self.counters.failovers += 1
+        return self.replicas.least_loaded(exclude)
+
+    # ---- ASGI ----
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1003})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0), limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=64))  # fmt: skip
+                await self.replicas.poll(self.client)
+                self._watch = asyncio.create_task(self.replicas.watch(self.client))
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                if self._watch is not None:
+                    self._watch.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self._watch
+                if self.client is not None:
+                    await self.client.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _own(self, send: Send, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        if path == "/health":
+            return await self._own(send, 200, b'{"status":"ok"}')
+        if path == "/ready":
+            up = len(self.replicas.healthy())
+            body = json.dumps({"status": "ready" if up else "no replica", "replicas_up": up}).encode()
+            return await self._own(send, 200 if up else 503, body)
+        if path == "/metrics":
+            return await self._own(
+                send, 200, render(self.counters, self.replicas).encode(), b"text/plain; version=0.0.4"
+            )
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP]
+        auth = next((v.decode("latin-1") for k, v in headers if k.lower() == b"authorization"), None)
+        tenant = tenant_of(auth)
+        key = request_key(tenant, path, body)
+        url_tail = path + ("?" + scope["query_string"].decode() if scope.get("query_string") else "")
+        tried: set[str] = set()
+        replica = self.choose(key, tried)
+        assert self.client is not None
+        for attempt in range(2):
+            if replica is None:
+                self.counters.no_replica += 1
+                return await self._own(send, 503, b'{"error":{"message":"no replica is ready","code":"no_replica"}}')
+            tried.add(replica.url)
+            replica.in_flight += 1
+            replica.requests += 1
+            try:
+                request = self.client.build_request(
+                    scope["method"], replica.url + url_tail, headers=headers, content=body
+                )
+                resp = await self.client.send(request, stream=True)
+            except httpx.TransportError as e:  # never reached it (or it died before answering)
+                replica.in_flight -= 1
+                self.replicas.mark_down(replica, f"{type(e).__name__}: {e}")
+                self.counters.failovers += 1
+                if not isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
+                    return await self._own(
+                        send, 502, b'{"error":{"message":"the replica failed","code":"replica_failed"}}'
+                    )
+                replica = self.replicas.least_loaded(tried)
+                continue
+            if resp.status_code == 429 and attempt == 0:
+                other = self.replicas.least_loaded(tried)
+                if other is not None:
+                    await resp.aclose()
+                    replica.in_flight -= 1
+                    self.counters.retried_429 += 1
+                    replica = other
+                    continue
+            try:
+                await self._relay(resp, replica, tenant, key, send)
+            finally:
+                replica.in_flight -= 1
+                await resp.aclose()
+            return
+
+    async def _relay(self, resp: httpx.Response, replica: Replica, tenant: str, key: str | None, send: Send) -> None:
+        out = [(k, v) for k, v in resp.headers.raw if k.lower() not in HOP]
+        out.append((b"x-longctx-replica", replica.url.encode()))
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
+        ok = resp.status_code < 400
+        if ok and key is not None:
+            self.table.put(key, replica.url)
+        sniff = b"" if ok else None
+        try:
+            async for chunk in resp.aiter_raw():
+                if sniff is not None:
+                    sniff += chunk
+                    m = RESPONSE_ID.search(sniff)
+                    if m:
+                        self.table.put(id_key(tenant, m.group(1).decode()), replica.url)
+                    if m or len(sniff) > SNIFF_BYTES:
+                        sniff = None
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as e:
+            self.replicas.mark_down(replica, f"cut mid-answer: {e}")
+            if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                err = {"type": "error", "code": "replica_failed", "message": "the replica serving this stream failed"}
+                event = f"event: error\ndata: {json.dumps(err)}\n\n".encode()
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+
+def serve(host: str, port: int, urls: list[str]) -> int:
+    """Run the router until SIGINT/SIGTERM."""
+    import uvicorn
+
+    if not urls:
+        raise ValueError("longctx route needs at least one --replica URL")
+    config = uvicorn.Config(Router(urls), host=host, port=port, log_level="warning", lifespan="on")
+    log.info("routing %s on http://%s:%d to %s", "requests", host, port, ", ".join(urls))
+    uvicorn.Server(config).run()
+    return 0

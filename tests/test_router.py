@@ -1,0 +1,123 @@
+"""`longctx route` in front of two real replicas on one Redis, through the `openai` client:
+a conversation's turns and a `previous_response_id` chain stay on one replica (affinity, every
+answer names its replica in `x-longctx-replica`) with their prompts cached; streams pass
+through; a 429 from the affine replica is retried once on the other; a SIGKILLed replica leaves
+the rotation within 5 s and its conversation goes on elsewhere, its KV read from Redis."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.redis_server import delete_prefix, shared_redis, unique_prefix
+from tests.server import ROOT, TEST_KEY, free_port, keys_args, start_server
+
+ARGS = ("--dtype", "float32", "--threads", "1", "--kv-cache-bytes", "64MiB", "--background-workers", "0",
+        "--served-model-name", "demo", "--max-queued-per-tenant", "1")  # fmt: skip
+NOTES = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(25))
+
+
+def _metrics(url: str) -> dict[tuple[str, str], float]:
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
+        for s in family.samples:
+            out[(s.name, s.labels.get("replica", ""))] = s.value
+    return out
+
+
+def test_router_affinity_retry_and_failover(demo_gguf: Path, tmp_path: Path) -> None:
+    prefix = unique_prefix()
+    with shared_redis() as (url, _):
+        args = ("--redis-url", url, "--kv-redis-url", url, *ARGS, *keys_args(tmp_path))
+        with ThreadPoolExecutor(2) as pool:
+            starting = [pool.submit(start_server, demo_gguf, *args, log=tmp_path / f"{n}.log", prefix=prefix)
+                        for n in "ab"]  # fmt: skip
+            servers = [f.result() for f in starting]
+        port = free_port()
+        cmd = [sys.executable, "-m", "api.cli", "route", "--port", str(port)]
+        cmd += [x for s in servers for x in ("--replica", s.url)]
+        router = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if httpx.get(base + "/ready", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline and router.poll() is None
+                time.sleep(0.1)
+            client = openai.OpenAI(base_url=base + "/v1", api_key=TEST_KEY, max_retries=0, timeout=300)
+
+            def turn(**kw: object) -> tuple[str, openai.types.responses.Response]:
+                raw = client.responses.with_raw_response.create(model="demo", temperature=0, max_output_tokens=6, **kw)  # type: ignore[arg-type]
+                return raw.headers["x-longctx-replica"], raw.parse()
+
+            conv = client.conversations.create(items=[])
+            where, cached = set(), []
+            for i, q in enumerate([NOTES + " Which hive gave most?", "And the least?", "Sum them."]):
+                replica, r = turn(conversation=conv.id, input=q)
+                where.add(replica)
+                assert r.usage is not None
+                if i:
+                    cached.append(r.usage.input_tokens_details.cached_tokens / r.usage.input_tokens)
+            assert len(where) == 1 and min(cached) >= 0.8, (where, cached)
+            home = where.pop()
+
+            chain, prev = set(), None
+            for q in ["Name a colour.", "Another one.", "A third."]:
+                replica, r = turn(input=q, previous_response_id=prev)
+                chain.add(replica)
+                prev = r.id
+            assert len(chain) == 1
+
+            events = list(client.responses.create(model="demo", conversation=conv.id, input="Bye.", stream=True,
+                                                  max_output_tokens=6, temperature=0))  # fmt: skip
+            assert events[0].type == "response.created" and events[-1].type in (
+                "response.completed",
+                "response.incomplete",
+            )
+
+            # two long prompts at once on the affine replica of a prompt_cache_key: its tenant may
+            # hold one waiting request, so the other is a 429 there, retried on the other replica
+            turn(input="Hi.", prompt_cache_key="k1")
+            long_q = [" ".join(f"Item {i}-{n}: {i * n} apples." for i in range(80)) for n in range(2)]
+            got: list[str] = []
+            threads = [threading.Thread(target=lambda q=q: got.append(turn(input=q, prompt_cache_key="k1")[0]))
+                       for q in long_q]  # fmt: skip
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            m = _metrics(base)
+            assert m[("longctx_router_retried_429_total", "")] >= 1 and len(set(got)) == 2, (m, got)
+            assert m[("longctx_router_affinity_hits_total", "")] >= 5
+
+            dying = next(s for s in servers if s.url == home)
+            other = next(s for s in servers if s is not dying)
+            dying.proc.send_signal(signal.SIGKILL)
+            dying.proc.wait()
+            t0 = time.monotonic()
+            while _metrics(base)[("longctx_router_replica_up", home)] != 0:
+                assert time.monotonic() - t0 < 5
+                time.sleep(0.1)
+            replica, r = turn(conversation=conv.id, input="Still there?")
+            assert replica == other.url and r.usage is not None
+            assert r.usage.input_tokens_details.cached_tokens >= 0.8 * r.usage.input_tokens
+        finally:
+            router.terminate()
+            router.wait(10)
+            for s in servers:
+                if s.proc.poll() is None:
+                    s.stop()
+            delete_prefix(url, prefix)
