@@ -168,7 +168,9 @@ def _run(sc: Scenario) -> tuple[TierSim, list[list[Turn]]]:
     total_pages = sum(-(-(len(d) + sc.turns * (sc.max_tokens + sc.new_tokens)) // SPEC.page_size) for d in sc.docs)
     sim = TierSim(
         sc.num_pages, sc.budget, host_bytes=2 * total_pages * PAGE_BYTES, max_num_seqs=sc.max_num_seqs,
-        lookup_timeout_s=1e9, delay=lambda: next(delays),
+        # Fetches are ready after a number of polls, not of seconds: a recompute estimate of a
+        # minute keeps the cost-based deadline from expiring a fetch on a loaded machine.
+        lookup_timeout_s=1e9, delay=lambda: next(delays), recompute_s=lambda n: 60.0,
         scheduler_kw={"max_pinned_fraction": sc.pinned_fraction},
     )  # fmt: skip
 
