@@ -25,9 +25,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from engine.engine import Engine
 from engine.request import FinishReason, RequestHandle
 from engine.sampling_params import SamplingParams
+from engine.surface import EngineSurface
 from sessions.errors import Conflict, LeaseLost, StoreError
 from sessions.events import EventWriter
 from sessions.items import Item
@@ -81,7 +81,9 @@ class TurnPlan:
 class Turn:
     """Runs one `TurnPlan` (see the module docstring); `stop` ends it early from any task."""
 
-    def __init__(self, engine: Engine, store: SessionStore, plan: TurnPlan, writer: EventWriter, renew_s: float = 10):
+    def __init__(
+        self, engine: EngineSurface, store: SessionStore, plan: TurnPlan, writer: EventWriter, renew_s: float = 10
+    ):
         self.engine, self.store, self.plan, self.writer, self.renew_s = engine, store, plan, writer, renew_s
         self.handle: RequestHandle | None = None
         self.stopped: StopWhy | None = None
