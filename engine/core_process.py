@@ -171,17 +171,18 @@ class CoreLoop:
 
     def _send(self) -> None:
         started = self._started()
+        if any(out.finish_reason is not None for out in self.outbox.items):
+            self._send_metrics()  # first: a consumer that sees its final output sees it counted
         if self.outbox.items or started:
             outs, self.outbox.items = self.outbox.items, []
             msg = self.wire.Outputs(outs, started, self.engine.snapshot(), time.monotonic())
             self.push.send(self.wire.encoder.encode(msg), copy=False)
-        now = time.monotonic()
-        if now - self._metrics_at >= METRICS_INTERVAL_S:
-            self._metrics_at = now
+        if time.monotonic() - self._metrics_at >= METRICS_INTERVAL_S:
             self._send_metrics()
 
     def _send_metrics(self) -> None:
         e = self.engine
+        self._metrics_at = time.monotonic()
         host = e.store.host.num_bytes if e.store is not None else 0
         self.push.send(self.wire.encoder.encode(self.wire.Metrics(e.stats.snapshot(), e.kv_stats(), host)))
 

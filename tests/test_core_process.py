@@ -27,6 +27,7 @@ from engine.stats import EngineStats
 from tests.redis_server import shared_redis
 from tests.server import http_get, start_server
 
+pytestmark = pytest.mark.slow
 CONFIG = EngineConfig(kv_cache_bytes=4 << 20, threads=1)
 
 
