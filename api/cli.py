@@ -122,13 +122,13 @@ def _generate(args: argparse.Namespace) -> int:
     keep the engine in this process, its ranks beside it)."""
     if args.tensor_parallel_size > 1 or args.expert_parallel:
         return _generate_in_process(args)
-    from api.model_load import core_spec, placement
+    from api.model_load import core_spec, engine_wait_policy, placement
     from engine.core_client import EngineClient
 
     engine_threads, api_threads = placement(args.threads)
     torch.set_num_threads(api_threads)
     spec = core_spec(args, engine_threads)
-    client = EngineClient(spec)
+    client = EngineClient(spec, engine_wait_policy())
     try:
         loaded = client.wait_phase("loaded")
         client.tokenizer = tok = loaded.tokenizer

@@ -10,9 +10,9 @@ compiling. This module imports nothing heavy itself.
 Thread placement (`placement`), decided here for both processes:
 - up to 4 cores (2 here): the engine gets every core as torch threads (`--threads` overrides),
   its OpenMP workers spinning briefly between parallel regions (libgomp's default wait policy:
-  they sleep once idle); this process gets 1 torch thread and PASSIVE OpenMP workers (set in
-  `api/__init__.py`), so its event loop, tokenizer and Redis threads share the cores with the
-  engine without spinning against it;
+  they sleep once idle; `LONGCTX_ENGINE_OMP_WAIT_POLICY` sets another); this process gets 1
+  torch thread and PASSIVE OpenMP workers (set in `api/__init__.py`), so its event loop,
+  tokenizer and Redis threads share the cores with the engine without spinning against it;
 - more cores (16): the engine gets all but 2 (14), this process 2 threads and the 2 cores'
   worth of room for its event loop, tokenization and xgrammar's compile threads.
 """
@@ -45,6 +45,12 @@ def placement(threads: int = 0, num_cores: int | None = None) -> tuple[int, int]
     return threads or n - API_THREADS_LARGE, API_THREADS_LARGE
 
 
+def engine_wait_policy() -> str | None:
+    """The engine process's `OMP_WAIT_POLICY`: `LONGCTX_ENGINE_OMP_WAIT_POLICY` (ACTIVE, PASSIVE),
+    else OpenMP's default."""
+    return os.environ.get("LONGCTX_ENGINE_OMP_WAIT_POLICY") or None
+
+
 def load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`engine.loading.loader.load`'s arguments for the serve flags."""
     from engine.loading.overrides import parse_overrides
@@ -75,7 +81,7 @@ class ModelLoad:
         self.args = args
         self.started_at = time.perf_counter()
         self.engine_threads, self.api_threads = placement(args.threads)
-        self.client = EngineClient(core_spec(args, self.engine_threads))
+        self.client = EngineClient(core_spec(args, self.engine_threads), engine_wait_policy())
         logging.getLogger("longctx.serve").info(
             "engine process %d: %d torch threads; API process: %d (of %d cores)",
             self.client.pid, self.engine_threads, self.api_threads, cores(),
