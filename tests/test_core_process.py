@@ -226,3 +226,13 @@ def test_server_answers_503_then_exits_1_when_its_engine_process_dies(tiny_model
             if server.proc.poll() is None:
                 server.proc.kill()
                 server.proc.wait()
+
+
+def test_thread_placement() -> None:
+    """2 cores: the engine gets both, the API process 1 thread; 16: the engine 14, the API 2;
+    `--threads` sets the engine's."""
+    from api.model_load import placement
+
+    assert placement(0, 2) == (2, 1)
+    assert placement(0, 16) == (14, 2)
+    assert placement(4, 16) == (4, 2) and placement(1, 2) == (1, 1)
