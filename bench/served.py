@@ -134,6 +134,8 @@ async def _served_rows(url: str, quick: bool) -> list[tuple[str, list[Stream]]]:
 def run_served(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     from tests.server import free_port, http_get
 
+    _seq[0] = 0  # the same prompts as the in-process worker (a fresh process per dtype) gets
+
     port = free_port()
     home = tempfile.mkdtemp(prefix="lc-bench-")
     flags = [*DTYPE_FLAGS[dtype], "--threads", str(args.threads), "--kv-cache-bytes", "1GiB", "--max-num-seqs", "32"]
@@ -323,8 +325,9 @@ def report(results: dict[str, Any]) -> None:
         s, i = r.get("served", {}), r.get("in_process", {})
         ratios = [f"{(s.get(m) or 0) / i[m]:.2f}" if i.get(m) else "-" for m in METRICS[1:]]
         print(f"{dtype + ' served/in':<22}{'':>13}" + "".join(f"{x:>13}" for x in ratios))
-        g = r.get("generate", {})
-        print(f"{dtype + ' generate':<22}{'':>13}{g.get('decode_1') or float('nan'):>13.1f}")
+        g = r.get("generate")
+        if g is not None:
+            print(f"{dtype + ' generate':<22}{'':>13}{g.get('decode_1') or float('nan'):>13.1f}")
     for dtype, r in results["ours"].items():
         split = r.get("served", {}).get("split")
         if split:
