@@ -58,8 +58,8 @@ def ready(request: Request[Any, Any, Any]) -> Response[ReadyBody]:
     """Readiness: 200 once the model is loaded and warmed up; 503 with the phase before and while stopping."""
     state = server_state(request)
     engine = state.engine
-    if state.ready and engine is not None and not engine.alive:  # the engine thread died
-        err = ErrorObject(message="the engine thread is not running", type="server_error")
+    if state.ready and engine is not None and not engine.alive:  # the engine process died
+        err = ErrorObject(message=state.error or "the engine is not running", type="server_error")
         return Response(ReadyBody(phase="engine_stopped", error=err), status_code=503)
     if state.ready and not state.draining:
         body = ReadyBody(status="ready", phase=state.phase, phase_seconds=state.phase_seconds)

@@ -75,11 +75,99 @@ def _check_buckets(engine: Any, prompt_len: int) -> None:
     warm_up_and_check(step, engine.kv_spec.page_size, tuple(sorted(b for b in buckets if b is not None)))
 
 
+def _params(args: argparse.Namespace) -> Any:
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+    )
+
+
+def _prompt(args: argparse.Namespace, tok: Any, vocab_size: int, params: Any) -> tuple[list[int], Any, Any]:
+    """(prompt ids, sampling params, the structured run or None) of the generate flags."""
+    structured = None
+    if args.tools is not None or args.json_schema is not None:
+        from api.cli_tools import StructuredRun
+
+        structured = StructuredRun.from_args(args, tok, vocab_size)
+        prompt_ids = structured.prompt_ids
+        params = dataclasses.replace(params, skip_special_tokens=structured.skip_special_tokens)
+    elif args.chat:
+        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    return prompt_ids, params, structured
+
+
+def _stream(handle: Any, structured: Any) -> int:
+    """Write a request's text to stdout as it comes; returns the tokens generated."""
+    log = logging.getLogger("longctx.generate")
+    n = 0
+    for out in handle:
+        n += len(out.token_ids)
+        text = out.text_delta
+        if structured is not None:
+            text = structured.feed(text, last=out.finish_reason is not None)
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        if out.error:
+            log.error("%s", out.error)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return n
+
+
 def _generate(args: argparse.Namespace) -> int:
+    """`longctx generate`: through the engine process, as `serve` runs it (tensor-parallel runs
+    keep the engine in this process, its ranks beside it)."""
+    if args.tensor_parallel_size > 1 or args.expert_parallel:
+        return _generate_in_process(args)
+    from api.model_load import core_spec, engine_wait_policy, placement
+    from engine.core_client import EngineClient
+
+    engine_threads, api_threads = placement(args.threads)
+    torch.set_num_threads(api_threads)
+    spec = core_spec(args, engine_threads)
+    client = EngineClient(spec, engine_wait_policy())
+    try:
+        loaded = client.wait_phase("loaded")
+        client.tokenizer = tok = loaded.tokenizer
+        prompt_ids, params, structured = _prompt(args, tok, loaded.config.vocab_size, _params(args))
+        config = spec.config
+        buckets = _buckets(config.max_num_batched_tokens, len(prompt_ids)) if config.compile else []
+        client.build(config.kv_redis_url, config.kv_redis_prefix, config.enable_prefix_caching, buckets)
+        client.wait_phase("compiled")
+        t0 = time.perf_counter()
+        handle = client.add_request(prompt_ids, params, matcher=structured.matcher if structured else None)
+        n = _stream(handle, structured)
+    finally:
+        client.shutdown()
+    dt = time.perf_counter() - t0
+    logging.getLogger("longctx.generate").info(
+        "%d prompt tokens, %d generated in %.2fs (%.1f tokens/s)", len(prompt_ids), n, dt, n / dt if dt else 0
+    )
+    return 0
+
+
+def _buckets(budget: int, prompt_len: int) -> list[int]:
+    """The compiled step's buckets a prompt will use: its prefill chunks' and decoding's."""
+    from engine.model.compiled import bucket_for
+
+    chunks = [budget] * (prompt_len // budget) + ([prompt_len % budget] if prompt_len % budget else [])
+    return sorted(b for b in {bucket_for(n) for n in chunks} | {1} if b is not None)
+
+
+def _generate_in_process(args: argparse.Namespace) -> int:
     from engine.distributed.parallel import SINGLE
     from engine.engine import Engine
     from engine.loading.loader import load
-    from engine.sampling_params import SamplingParams
 
     parallel, watchdog = SINGLE, None
     if args.tensor_parallel_size > 1:
@@ -90,15 +178,6 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("--expert-parallel needs --tensor-parallel-size of 2 or more")
     if args.threads:
         torch.set_num_threads(args.threads)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=tuple(args.stop or ()),
-    )
     config = engine_config(args)
     from engine.loading.overrides import parse_overrides
 
@@ -112,17 +191,7 @@ def _generate(args: argparse.Namespace) -> int:
         serve_worker(loaded.model, parallel, watchdog)
         return 0
     tok = loaded.tokenizer
-    structured = None
-    if args.tools is not None or args.json_schema is not None:
-        from api.cli_tools import StructuredRun
-
-        structured = StructuredRun.from_args(args, tok, loaded.config.vocab_size)
-        prompt_ids = structured.prompt_ids
-        params = dataclasses.replace(params, skip_special_tokens=structured.skip_special_tokens)
-    elif args.chat:
-        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-    else:
-        prompt_ids = tok.encode(args.prompt)
+    prompt_ids, params, structured = _prompt(args, tok, loaded.config.vocab_size, _params(args))
     runner = None
     if watchdog is not None:
         from engine.distributed_runner import DistributedRunner
@@ -132,30 +201,19 @@ def _generate(args: argparse.Namespace) -> int:
         runner = DistributedRunner(local, parallel, watchdog)
     engine = Engine(loaded.model, tok, config, parallel=parallel, fingerprint=loaded.stats.fingerprint, runner=runner)
     _check_buckets(engine, len(prompt_ids))
-    log = logging.getLogger("longctx.generate")
     t0 = time.perf_counter()
     handle = engine.add_request(prompt_ids, params, matcher=structured.matcher if structured else None)
-    n = 0
     with engine:
-        for out in handle:
-            n += len(out.token_ids)
-            text = out.text_delta
-            if structured is not None:
-                text = structured.feed(text, last=out.finish_reason is not None)
-            if text:
-                sys.stdout.write(text)
-                sys.stdout.flush()
-            if out.error:
-                log.error("%s", out.error)
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+        n = _stream(handle, structured)
     if runner is not None and watchdog is not None:
         from engine.distributed.launch import finish_parallel
 
         runner.shutdown()
         finish_parallel(watchdog)
     dt = time.perf_counter() - t0
-    log.info("%d prompt tokens, %d generated in %.2fs (%.1f tokens/s)", len(prompt_ids), n, dt, n / dt if dt else 0)
+    logging.getLogger("longctx.generate").info(
+        "%d prompt tokens, %d generated in %.2fs (%.1f tokens/s)", len(prompt_ids), n, dt, n / dt if dt else 0
+    )
     return 0
 
 

@@ -202,10 +202,14 @@ def render(state: ServerState, m: Metrics = METRICS) -> str:
         for tier, counters in kv.items():
             for key, value in counters.items():
                 out += _family(f"longctx:kv_{tier}_{key}_total", "counter", f"{tier} {key}", [("", value)])
-        store = getattr(engine, "store", None)
-        host_bytes = store.host.num_bytes if store is not None else 0
-        out += _family("longctx:kv_host_bytes", "gauge", "bytes of KV pages in the host tier", [("", host_bytes)])
+        host: list[tuple[str, float]] = [("", engine.host_bytes)]
+        out += _family("longctx:kv_host_bytes", "gauge", "bytes of KV pages in the host tier", host)
         out += _engine_histograms(engine)
+        out += _histogram(
+            "longctx:engine_output_channel_seconds",
+            "engine process sending a step's outputs to the API process handing them to their requests",
+            engine.channel.snapshot(),
+        )
     return "\n".join(out) + "\n"
 
 
@@ -229,14 +233,18 @@ def _engine_histograms(engine: Any) -> list[str]:
     stats = engine.stats.snapshot()
     out: list[str] = []
     for field, (name, help) in ENGINE_HISTOGRAMS.items():
-        h = getattr(stats, field)
-        out += [f"# HELP {name} {help}", f"# TYPE {name} histogram"]
-        out += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(h.buckets, h.cumulative, strict=False)]
-        out += [f'{name}_bucket{{le="+Inf"}} {h.samples}', f"{name}_sum {h.sum}", f"{name}_count {h.samples}"]
+        out += _histogram(name, help, getattr(stats, field))
     out += _family("longctx:engine_requests_finished_total", "counter", "engine requests finished by reason", [
         (f'{{reason="{_label(r)}"}}', n) for r, n in sorted(stats.finished_by_reason.items())
     ])  # fmt: skip
     return out
+
+
+def _histogram(name: str, help: str, h: Any) -> list[str]:
+    """A Prometheus histogram from a `HistogramSnapshot` (cumulative buckets)."""
+    out = [f"# HELP {name} {help}", f"# TYPE {name} histogram"]
+    out += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(h.buckets, h.cumulative, strict=False)]
+    return [*out, f'{name}_bucket{{le="+Inf"}} {h.samples}', f"{name}_sum {h.sum}", f"{name}_count {h.samples}"]
 
 
 def _load(state: ServerState) -> list[str]:

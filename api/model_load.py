@@ -1,34 +1,91 @@
-"""`longctx serve`'s model, loading on a thread of its own from the moment the command starts.
+"""`longctx serve`'s engine process, started from the moment the command starts, and where each
+process's threads go.
 
-Loading (mapping the weights, packing them for oneDNN) mostly runs in torch's C++ code without
-the GIL, so it overlaps the imports of the HTTP stack (Litestar, xgrammar, transformers) and the
-Redis phase instead of following them. The `model` startup phase then only waits for it. The
-tokenizer waits for `imported()`: transformers' lazy module cannot be imported from two threads
-at once (a model directory's whole load waits: its config is read through transformers). This
-module imports nothing heavy itself.
+The engine core runs in a process of its own (`engine/core_process.py`, driven through
+`engine.core_client.EngineClient`): it loads the model while this process imports the HTTP
+stack (Litestar, xgrammar, transformers) and runs the Redis phase, then builds the engine once
+`build()` brings the KV Redis URL. This process keeps HTTP, sessions, tokenization and grammar
+compiling. This module imports nothing heavy itself.
+
+Thread placement (`placement`), decided here for both processes:
+- up to 4 cores (2 here): the engine gets every core as torch threads (`--threads` overrides),
+  its OpenMP workers spinning briefly between parallel regions (libgomp's default wait policy:
+  they sleep once idle; `LONGCTX_ENGINE_OMP_WAIT_POLICY` sets another); this process gets 1
+  torch thread and PASSIVE OpenMP workers (set in `api/__init__.py`), so its event loop,
+  tokenizer and Redis threads share the cores with the engine without spinning against it;
+- more cores (16): the engine gets all but 2 (14), this process 2 threads and the 2 cores'
+  worth of room for its event loop, tokenization and xgrammar's compile threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import shutil
-import threading
 import time
 from typing import Any
 
+API_THREADS_SMALL, API_THREADS_LARGE = 1, 2
+SMALL_MACHINE_CORES = 4
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def placement(threads: int = 0, num_cores: int | None = None) -> tuple[int, int]:
+    """(the engine process's torch threads, this process's), for `--threads` (0: decide)."""
+    n = num_cores or cores()
+    if n <= SMALL_MACHINE_CORES:
+        return threads or n, API_THREADS_SMALL
+    return threads or n - API_THREADS_LARGE, API_THREADS_LARGE
+
+
+def engine_wait_policy() -> str | None:
+    """The engine process's `OMP_WAIT_POLICY`: `LONGCTX_ENGINE_OMP_WAIT_POLICY` (ACTIVE, PASSIVE),
+    else OpenMP's default."""
+    return os.environ.get("LONGCTX_ENGINE_OMP_WAIT_POLICY") or None
+
+
+def load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`engine.loading.loader.load`'s arguments for the serve flags."""
+    from engine.loading.overrides import parse_overrides
+
+    return dict(
+        spec=args.model, dtype=args.dtype, device=args.device, progress=False, quantization=args.quantization,
+        group_size=args.group_size, hf_overrides=parse_overrides(getattr(args, "hf_overrides", None)),
+        chat_template=getattr(args, "chat_template", None),
+    )  # fmt: skip
+
+
+def core_spec(args: argparse.Namespace, engine_threads: int) -> Any:
+    """The engine process's `LoadSpec` for the serve flags."""
+    from api.engine_args import engine_config
+    from engine.core_process import LoadSpec
+
+    config = engine_config(args, threads=engine_threads)
+    level = logging.getLogger("longctx").getEffectiveLevel()
+    return LoadSpec(load=load_kwargs(args), config=config, threads=engine_threads, log_level=level)
+
 
 class ModelLoad:
-    """`engine.loading.loader.load` for the serve flags, started at once on a daemon thread."""
+    """The engine process for the serve flags, started at once (it loads while we import)."""
 
-    def __init__(self, args: argparse.Namespace, gguf: bool = True):
+    def __init__(self, args: argparse.Namespace):
+        from engine.core_client import EngineClient
+
         self.args = args
-        self.gguf = gguf
         self.started_at = time.perf_counter()
-        self._done = threading.Event()
-        self._imported = threading.Event()
-        self._result: Any = None
-        self._error: BaseException | None = None
-        threading.Thread(target=self._run, name="longctx-model", daemon=True).start()
+        self.engine_threads, self.api_threads = placement(args.threads)
+        self.client = EngineClient(core_spec(args, self.engine_threads), engine_wait_policy())
+        logging.getLogger("longctx.serve").info(
+            "engine process %d: %d torch threads; API process: %d (of %d cores)",
+            self.client.pid, self.engine_threads, self.api_threads, cores(),
+        )  # fmt: skip
 
     @classmethod
     def start(cls, args: argparse.Namespace) -> ModelLoad | None:
@@ -41,51 +98,30 @@ class ModelLoad:
         if args.redis_url is None and shutil.which("redis-server") is None:
             return None
         try:
-            source = resolve_model(args.model)
+            resolve_model(args.model)
         except Exception:
             return None
-        return cls(args, source.kind == "gguf")
+        return cls(args)
 
     def imported(self) -> None:
-        """The command's thread has done its imports (transformers among them)."""
-        self._imported.set()
+        """The command's thread has done its imports (kept for the caller; the load is elsewhere)."""
 
-    def _run(self) -> None:
-        try:
-            if not self.gguf:
-                self._imported.wait()
-            self._result = load_model(self.args, self._imported.wait)
-        except BaseException as e:  # handed to whoever waits
-            self._error = e
-        finally:
-            self._done.set()
-
-    def finish(self, timeout_s: float = 120) -> None:
-        """Let a load still running end before the process exits (an early exit, or a signal during
-        loading): interpreter shutdown under a thread inside torch's kernels can crash."""
-        self._imported.set()
-        self._done.wait(timeout_s)
+    def finish(self, timeout_s: float = 30) -> None:
+        """Stop the engine process if it still runs (an early exit, a failed startup)."""
+        if self.client.alive:
+            self.client.shutdown(timeout_s)
 
     def wait(self) -> Any:
-        """The `LoadedModel` (blocks until loaded); raises what loading raised."""
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._result
+        """The `LoadedModel` without its weights (blocks until loaded); raises `EngineStartFailed`."""
+        return self.client.wait_phase("loaded")
 
 
 def load_model(args: argparse.Namespace, before_tokenizer: Any = None) -> Any:
+    """The whole model in this process (for commands that run the engine in process)."""
     from engine.loading.loader import load
 
     if args.threads:  # loading (dequantizing, packing) runs on torch's threads too
         import torch
 
         torch.set_num_threads(args.threads)
-    from engine.loading.overrides import parse_overrides
-
-    return load(
-        args.model, args.dtype, args.device, progress=False, quantization=args.quantization,
-        group_size=args.group_size, before_tokenizer=before_tokenizer,
-        hf_overrides=parse_overrides(getattr(args, "hf_overrides", None)),
-        chat_template=getattr(args, "chat_template", None),
-    )  # fmt: skip
+    return load(**load_kwargs(args), before_tokenizer=before_tokenizer)

@@ -6,14 +6,16 @@ Order of events:
 3. Startup phases, each timed and logged, blocking ones on a loader thread:
    redis (start or reuse the managed instances, or ping `--redis-url`), model (load, or wait
    for the load `api.model_load` started with the command, beside the imports and redis),
-   engine (KV pool, grammar compiler, the engine thread), compile (the compiled step's graphs,
-   from `$LONGCTX_HOME/compile` when cached), warm-up (a short generation and
+   engine (the engine process builds its KV pool and tiers; here the grammar compiler), compile
+   (the engine process compiles the step's graphs, from `$LONGCTX_HOME/compile` when cached, and
+   self-checks them), warm-up (a short generation through the process boundary and
    a schema compile), routes (the async Redis client and the route modules' startup hooks).
 4. SIGTERM/SIGINT: no new work admitted (`ServerState.begin_drain`), streams get
    `--shutdown-grace-s` to finish (foreground responses still running near its end stop and commit
    `incomplete`; background jobs are handed back to the queue), uvicorn closes connections, the
    lifespan stops the engine and the hooks' resources, the managed Redis instances are released (the last user
-   stops them), exit 0. A failed startup exits 1 after logging why.
+   stops them), exit 0. A failed startup exits 1 after logging why; so does the engine process
+   dying once ready (`/ready` answers 503 `engine_stopped` for `ENGINE_DEATH_EXIT_S` first).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import uvicorn
 from api import auth, limits
 from api.app import MAX_BODY_BYTES, create_app
 from api.managed_redis import INSTALL_HINT, ManagedRedis, cache_args, state_args
-from api.model_load import ModelLoad, load_model
+from api.model_load import ModelLoad
 from api.state import ServeOptions, ServerState
 from sessions.config import generation_defaults
 
@@ -47,6 +49,7 @@ log = logging.getLogger("longctx.serve")
 
 T = TypeVar("T")
 WARMUP_PROMPT = "Hello"
+ENGINE_DEATH_EXIT_S = 1.0  # `/ready` says `engine_stopped` this long before the server exits 1
 
 
 class _Server(uvicorn.Server):
@@ -139,36 +142,48 @@ class Startup:
         log.info("state Redis %s; KV tier %s", state.options.redis_url, self.kv_redis_url or "off")
 
     def _model(self) -> Any:
-        return self.model.wait() if self.model is not None else load_model(self.args)
+        """The engine process's `loaded` phase: the model's tokenizer, config and load stats (its
+        weights stay in the engine process)."""
+        if self.model is None:
+            self.model = ModelLoad(self.args)
+        return self.model.wait()
 
-    def _engine(self, loaded: Any) -> tuple[Any, Any]:
-        from api.engine_args import engine_config
-        from engine.engine import Engine
-        from tools.grammar import GrammarCompiler, XGrammarHook
+    def _engine(self, loaded: Any, state: ServerState) -> tuple[Any, Any]:
+        import torch
 
-        args = self.args
-        config = engine_config(
-            args,
-            enable_prefix_caching=not args.no_prefix_cache,
-            kv_redis_url=self.kv_redis_url,
-            kv_redis_prefix=f"{args.redis_prefix}:kv",
-        )
-        engine = Engine(
-            loaded.model, loaded.tokenizer, config, grammar_hook=XGrammarHook(), fingerprint=loaded.stats.fingerprint
-        )
+        from tools.grammar import GrammarCompiler
+
+        assert self.model is not None
+        args, client = self.args, self.model.client
+        torch.set_num_threads(self.model.api_threads)
+        client.on_death = lambda reason: self._engine_died(state, reason)
+        client.tokenizer = loaded.tokenizer
+        client.build(self.kv_redis_url, f"{args.redis_prefix}:kv", not args.no_prefix_cache)
         grammar = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size)
-        return engine.start(), grammar
+        return client, grammar
 
-    @staticmethod
-    def _compile(engine: Any) -> CompileReport | None:
+    def _engine_died(self, state: ServerState, reason: str) -> None:
+        """The engine process ended unasked: `/ready` answers 503 `engine_stopped` for a moment,
+        then the server stops with exit code 1."""
+        if state.draining:
+            return
+        state.error = reason
+        self.exit_code = 1
+        log.error("%s: the server stops in %.1f s", reason, ENGINE_DEATH_EXIT_S)
+
+        def stop() -> None:
+            self.server.should_exit = True
+
+        timer = threading.Timer(ENGINE_DEATH_EXIT_S, stop)
+        timer.daemon = True
+        timer.start()
+
+    def _compile(self) -> CompileReport | None:
         """The compiled step's graphs for every bucket (from `$LONGCTX_HOME/compile` when cached),
-        each self-checked against the eager modules; a bucket that fails runs eager."""
-        from engine.model.compiled import CompiledStep
-        from engine.verify.self_check import warm_up_and_check
-
-        if isinstance(engine.runner.step, CompiledStep):
-            return warm_up_and_check(engine.runner.step, engine.kv_spec.page_size)
-        return None
+        each self-checked against the eager modules in the engine process; a bucket that fails runs eager."""
+        assert self.model is not None
+        report: CompileReport | None = self.model.client.wait_phase("compiled")
+        return report
 
     @staticmethod
     def _warm_up(engine: Any, grammar: Any) -> None:
@@ -212,10 +227,11 @@ class Startup:
             state.loaded = loaded
             if not state.options.served_model_name:
                 state.options = replace(state.options, served_model_name=loaded.source.name)
-            engine, grammar = await self._phase(state, "engine", lambda: _in_thread(lambda: self._engine(loaded)))
+            building = lambda: _in_thread(lambda: self._engine(loaded, state))  # noqa: E731
+            engine, grammar = await self._phase(state, "engine", building)
             with state.lock:
                 state.engine, state.grammar = engine, grammar
-            compiling = lambda: _in_thread(lambda: self._compile(engine))  # noqa: E731
+            compiling = lambda: _in_thread(self._compile)  # noqa: E731
             state.compile_report = await self._phase(state, "compile", compiling)
             await self._phase(state, "warm-up", lambda: _in_thread(lambda: self._warm_up(engine, grammar)))
             await self._phase(state, "routes", lambda: self._routes(state))
@@ -241,6 +257,8 @@ class Startup:
         )  # fmt: skip
 
     def release(self) -> None:
+        if self.model is not None:  # a startup that failed or stopped before the engine was handed over
+            self.model.finish()
         for instance in reversed(self.managed):
             try:
                 instance.release()

@@ -44,14 +44,16 @@ class Engine(EngineCore):
         request_id: str | None = None,
         cache_salt: str = "",
         matcher: Matcher | None = None,
+        handle: RequestHandle | None = None,
     ) -> RequestHandle:
         """Queue a request; raises ContextTooLong (or ValueError) at once if it can never run,
-        EngineOverloaded past `max_queued`, EngineClosed after `shutdown()`."""
+        EngineOverloaded past `max_queued`, EngineClosed after `shutdown()`. `handle`: where its
+        outputs go (the engine process's handles send them on; its id must be `request_id`)."""
         params = params or SamplingParams()
         self.admission.check(prompt_token_ids, params)
         self.admission.enter()
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        handle = RequestHandle(rid, self.abort)
+        handle = handle or RequestHandle(rid, self.abort)
         req = Request(rid, list(prompt_token_ids), params, handle, cache_salt=cache_salt, matcher=matcher)
         if self.tokenizer is not None:
             from engine.detokenizer import IncrementalDetokenizer, StopChecker

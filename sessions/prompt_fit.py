@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from engine.engine import Engine
 from engine.loading.tokenizer import Tokenizer
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.surface import EngineSurface
 from engine.tokenizer_pool import TokenizerPool
 from sessions.compaction import (
     SUMMARY_MAX_TOKENS,
@@ -52,7 +52,9 @@ class SummaryFailed(RuntimeError):
 
 
 class PromptFitter:
-    def __init__(self, engine: Engine, store: SessionStore, tokenizer: Tokenizer, tokens: TokenCache | None = None):
+    def __init__(
+        self, engine: EngineSurface, store: SessionStore, tokenizer: Tokenizer, tokens: TokenCache | None = None
+    ):
         self.engine, self.store, self.tokenizer = engine, store, tokenizer
         self.tokenizing = TokenizerPool(tokenizer)  # one worker: a fast tokenizer is not thread-safe
         self.tokens = tokens

@@ -20,9 +20,9 @@ from typing import Any
 
 import msgspec
 
-from engine.engine import Engine
 from engine.loading.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
+from engine.surface import EngineSurface
 from sessions.config import ServiceConfig
 from sessions.context import load_context
 from sessions.conversation_api import ConversationAPI, check_page
@@ -60,7 +60,7 @@ class SessionService:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineSurface,
         store: SessionStore,
         tokenizer: Tokenizer,
         compiler: GrammarCompiler,

@@ -25,9 +25,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from engine.engine import Engine
 from engine.request import FinishReason, RequestHandle
 from engine.sampling_params import SamplingParams
+from engine.surface import EngineSurface
 from sessions.errors import Conflict, LeaseLost, StoreError
 from sessions.events import EventWriter
 from sessions.items import Item
@@ -83,7 +83,7 @@ class Turn:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineSurface,
         store: SessionStore,
         plan: TurnPlan,
         writer: EventWriter,

@@ -6,7 +6,10 @@ request an `XGrammarMatcher` (accept, rollback, terminated). `XGrammarHook` fill
 whole batch in one `BatchGrammarMatcher` call, in the engine's bitmask format (`[B, ceil(V/32)]`
 int32, bit set = allowed, V = the model's vocab size, which may exceed the tokenizer's).
 
-Matchers are created on the caller's thread and then used only by the engine thread.
+Matchers are created on the caller's thread and then used only by the engine thread. With the
+engine in its own process (`engine/core_process.py`) a matcher crosses as its grammar's cache key
+and the tokens it has accepted (`XGrammarMatcher.key`, `.accepted`): the engine process compiles
+the key again (`GrammarCompiler.from_key`, cached there too) and replays the tokens.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class GrammarCompiler:
             compiled = compile_fn()
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises RuntimeError from C++
             raise InvalidSchema(where, "$", clean_compiler_message(str(e)), param) from None
+        compiled._longctx_key = key  # type: ignore[attr-defined]  # how it crosses to the engine process
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self._cache_size:
@@ -177,7 +181,36 @@ class GrammarCompiler:
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         """A fresh matcher for one request."""
-        return XGrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids))
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
+        return XGrammarMatcher(matcher, getattr(compiled, "_longctx_key", None))
+
+    def from_key(self, key: str) -> xgr.CompiledGrammar:
+        """The grammar a cache key names (`XGrammarMatcher.key`), compiled here (or cached)."""
+        if key == "object":
+            return self.json_object()
+        if key.startswith("schema:"):
+            text = key.removeprefix("schema:")
+            return self._cached(key, lambda: self._compile_schema(text, strict=True), "response_format")
+        if key.startswith("tag:"):
+            text = key.removeprefix("tag:")
+            return self._cached(key, lambda: self._xgr.compile_structural_tag(text), "tools", "tools")
+        raise ValueError(f"unknown grammar key {key[:40]!r}")
+
+
+def engine_grammar(tokenizer: Tokenizer, vocab_size: int) -> tuple[XGrammarHook, Any]:
+    """The engine process's grammar side (`engine.core_process.LoadSpec.grammar`): the batch hook,
+    and `matcher(key, accepted)` rebuilding a caller's matcher at the same position."""
+    compiler = GrammarCompiler(tokenizer, vocab_size)
+
+    def matcher(key: str, accepted: list[int]) -> XGrammarMatcher:
+        m = compiler.matcher(compiler.from_key(key))
+        for token in accepted:
+            if not m.xgr.accept_token(token):
+                raise ValueError(f"token {token} of the forced prefix is not allowed by the output grammar")
+        m.accepted = list(accepted)
+        return m
+
+    return XGrammarHook(), matcher
 
 
 class XGrammarMatcher(Matcher):
@@ -189,9 +222,11 @@ class XGrammarMatcher(Matcher):
     then says why.
     """
 
-    def __init__(self, matcher: xgr.GrammarMatcher):
+    def __init__(self, matcher: xgr.GrammarMatcher, key: str | None = None):
         self.xgr = matcher
         self.error: str | None = None
+        self.key = key  # the compiler's cache key of its grammar (None: not from a GrammarCompiler)
+        self.accepted: list[int] = []  # by `forced_prefix`, before the request is sent
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.xgr.fill_next_token_bitmask(bitmask, row)
@@ -233,6 +268,7 @@ class XGrammarMatcher(Matcher):
             if not self.xgr.accept_token(token):
                 self.xgr.rollback(n)
                 return []
+        self.accepted += ids
         return ids
 
 

@@ -1,0 +1,416 @@
+"""Speed as served: ours through `longctx serve` (the `openai` client streaming), beside the
+in-process engine and llama.cpp's own loop, every system in one run, on the demo model.
+
+For each dtype of ours (bf16, int8, int4 = weight-only linears, bf16 activations):
+- served: `longctx serve` (the engine in its own process, `engine/core_process.py`), driven by
+  `openai.AsyncOpenAI` over `/v1/chat/completions` with `stream: true` and usage;
+- in-process: the same engine flags, `Engine` stepped on one thread of a worker process (the
+  ceiling, as `bench/engine_throughput.py` runs it), the same chat prompts rendered by the
+  model's template.
+Measures: TTFT p50 (a short prompt, a fresh one each time: no prefix-cache hit); decode tokens/s
+after the first token at 1, 4, 16 and 32 concurrent streams (aggregate: tokens after each
+stream's first over the time from the first stream's first token to the last stream's end);
+single-stream decode after a 2k (and, without `--quick`, an 8k) token prompt; `longctx generate`'s
+single-stream decode (the difference of a short and a long run). Greedy, so served
+and in-process generate the same text: the run reports how many of its streams agree (a speed
+figure counts only beside that agreement). llama.cpp (Q4_1, the same GGUF) runs through its own
+generation loop in the interpreter `--llama-python` names (one with llama-cpp-python), and is
+skipped with a note otherwise. Prints a table with served / in-process and the targets' verdicts,
+and writes JSON to bench/results/served.json. Timing runs belong under `flock -x`.
+
+    python bench/served.py [--quick] [--dtypes bfloat16,int8,int4] [--no-compile]
+        [--llama-python PATH] [--threads 2] [--generate-dtypes int4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results"
+STREAMS = (1, 4, 16, 32)
+DTYPE_FLAGS = {
+    "bfloat16": ["--dtype", "bfloat16"],
+    "int8": ["--dtype", "bfloat16", "--quantization", "int8"],
+    "int4": ["--dtype", "bfloat16", "--quantization", "int4"],
+}
+_seq = [0]
+
+
+def chat_prompt(kind: str = "story") -> str:
+    """A fresh prompt each call (no prefix-cache hit between runs) that makes the model write on."""
+    _seq[0] += 1
+    k = 100 * _seq[0]
+    if kind == "story":
+        return f"Write a long story about the dragon number {k} and its treasure."
+    n = int(kind)  # a long prompt of about n tokens
+    filler = " ".join(f"Item {k + i}: the quick brown fox." for i in range(n // 9))
+    return f"{filler}\nNow write a long story about the dragon number {k}."
+
+
+def plan(quick: bool) -> list[tuple[str, int, str, int]]:
+    """(name, streams, prompt kind, max tokens) of each measurement, in order."""
+    tokens = 48 if quick else 128
+    rows = [("ttft", 1, "story", 1)] * 5
+    rows += [(f"decode_{n}", n, "story", tokens if n <= 4 else tokens // 2) for n in STREAMS]
+    rows += [("decode_1_2k", 1, "2000", tokens // 2)]
+    if not quick:
+        rows += [("decode_1_8k", 1, "7000", tokens // 2)]
+    return rows
+
+
+class Stream:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.end = 0.0
+        self.tokens = 0
+        self.text = ""
+
+
+def summarize(name: str, streams: list[Stream]) -> dict[str, Any]:
+    if name == "ttft":
+        return {"ttft_ms": 1000 * ((streams[0].first or streams[0].end) - streams[0].start)}
+    firsts = [s.first for s in streams if s.first is not None]
+    after = sum(max(0, s.tokens - 1) for s in streams)
+    span = max(s.end for s in streams) - min(firsts) if firsts else 0.0
+    return {"tokens_per_s": after / span if span > 0 else 0.0, "tokens": sum(s.tokens for s in streams)}
+
+
+def collect(rows: list[tuple[str, list[Stream]]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ttfts = [summarize(n, s)["ttft_ms"] for n, s in rows if n == "ttft"]
+    out["ttft_p50_ms"] = statistics.median(ttfts) if ttfts else None
+    for name, streams in rows:
+        if name != "ttft":
+            out[name] = summarize(name, streams)["tokens_per_s"]
+    out["texts"] = [s.text for n, ss in rows if n.startswith("decode") for s in ss]
+    return out
+
+
+# ---------------------------------------------------------------- served
+
+
+async def _served_rows(url: str, quick: bool) -> list[tuple[str, list[Stream]]]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
+
+    async def one(kind: str, max_tokens: int) -> Stream:
+        s = Stream()
+        stream = await client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": chat_prompt(kind)}], max_tokens=max_tokens,
+            temperature=0, stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                if s.first is None:
+                    s.first = time.perf_counter()
+                s.text += chunk.choices[0].delta.content
+            if chunk.usage is not None:
+                s.tokens = chunk.usage.completion_tokens
+        s.end = time.perf_counter()
+        return s
+
+    rows = []
+    await one("story", 8)  # the first request's one-off costs (the route's imports) stay out
+    for name, n, kind, max_tokens in plan(quick):
+        rows.append((name, list(await asyncio.gather(*(one(kind, max_tokens) for _ in range(n))))))
+    await client.close()
+    return rows
+
+
+def run_served(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    from tests.server import free_port, http_get
+
+    _seq[0] = 0  # the same prompts as the in-process worker (a fresh process per dtype) gets
+
+    port = free_port()
+    home = tempfile.mkdtemp(prefix="lc-bench-")
+    flags = [*DTYPE_FLAGS[dtype], "--threads", str(args.threads), "--kv-cache-bytes", "1GiB", "--max-num-seqs", "32"]
+    flags += ["--no-compile"] if args.no_compile else []
+    cmd = [sys.executable, "-m", "api.cli", "serve", "--model", "smollm2-135m-instruct", "--port", str(port),
+           "--served-model-name", "demo", "--kv-redis-url", "none", "--background-workers", "0",
+           "--redis-url", args.redis_url, "--redis-prefix", f"bench{port}", *flags]  # fmt: skip
+    env = {**os.environ, "LONGCTX_HOME": os.environ.get("LONGCTX_HOME", str(Path.home() / ".cache" / "longctx"))}
+    log = open(Path(home) / "serve.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        t0 = time.perf_counter()
+        while http_get(f"http://127.0.0.1:{port}/ready")[0] != 200:
+            if proc.poll() is not None or time.perf_counter() - t0 > 900:
+                raise RuntimeError(f"server did not start: {(Path(home) / 'serve.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        out = collect(asyncio.run(_served_rows(f"http://127.0.0.1:{port}", args.quick)))
+        out["ready_s"] = time.perf_counter() - t0
+        out["split"] = _split(f"http://127.0.0.1:{port}/metrics")
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+
+
+def _split(url: str) -> dict[str, float]:
+    """Where a token's time goes, from the server's own histograms over the whole run: the engine
+    process's time between a request's tokens, and the channel's share of it (engine process
+    sending a step's outputs -> the API process handing them to their requests), in ms."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+
+    def mean_ms(name: str) -> float:
+        n = values.get(f"{name}_count", 0.0)
+        return 1000 * values.get(f"{name}_sum", 0.0) / n if n else float("nan")
+
+    return {
+        "engine_inter_token_ms": mean_ms("longctx:engine_inter_token_latency_seconds"),
+        "channel_ms": mean_ms("longctx:engine_output_channel_seconds"),
+        "engine_ttft_ms": mean_ms("longctx:engine_time_to_first_token_seconds"),
+    }
+
+
+# ---------------------------------------------------------------- in process
+
+
+def run_in_process(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The worker's side: the engine on this process's main thread, outputs timed as pushed."""
+    import torch
+
+    from api.engine_args import want_compile
+    from engine.engine import Engine
+    from engine.engine_config import EngineConfig
+    from engine.loading.loader import load
+    from engine.request import RequestHandle
+    from engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    quant = "none" if dtype == "bfloat16" else dtype
+    loaded = load("smollm2-135m-instruct", "bfloat16", progress=False, quantization=quant)
+    compiled = not args.no_compile and want_compile(
+        argparse.Namespace(compile=None, device="cpu", tensor_parallel_size=1)
+    )
+    config = EngineConfig(kv_cache_bytes=1 << 30, max_num_seqs=32, threads=args.threads, compile=compiled)
+    engine = Engine(loaded.model, loaded.tokenizer, config)
+    if compiled:
+        from engine.verify.self_check import warm_up_and_check
+
+        warm_up_and_check(engine.runner.step, engine.kv_spec.page_size)
+    tok = loaded.tokenizer
+
+    class Timed(RequestHandle):
+        def __init__(self, rid: str, s: Stream):
+            super().__init__(rid, engine.abort)
+            self.s = s
+
+        def push(self, out: Any) -> None:
+            if out.token_ids and self.s.first is None:
+                self.s.first = time.perf_counter()
+            self.s.tokens += len(out.token_ids)
+            self.s.text += out.text_delta
+            if out.finish_reason is not None:
+                self.s.end = time.perf_counter()
+            super().push(out)
+
+    def batch(kind: str, n: int, max_tokens: int) -> list[Stream]:
+        streams = []
+        for i in range(n):
+            s = Stream()
+            ids = tok.apply_chat_template([{"role": "user", "content": chat_prompt(kind)}])
+            rid = f"r{_seq[0]}-{i}"
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            engine.add_request(ids, params, request_id=rid, handle=Timed(rid, s))
+            streams.append(s)
+        engine.run_until_idle()
+        return streams
+
+    batch("story", 1, 8)
+    rows = [(name, batch(kind, n, mt)) for name, n, kind, mt in plan(args.quick)]
+    return collect(rows)
+
+
+def run_generate(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    """`longctx generate` (through the engine process as well): decode tokens/s as the difference
+    of a short and a long run of the same prompt (start-up and prefill cancel out)."""
+    import re
+
+    runs = []
+    for n in (32, 96 if args.quick else 160):
+        cmd = [sys.executable, "-m", "api.cli", "generate", "--model", "smollm2-135m-instruct", "--chat",
+               "--prompt", "Write a long story about the dragon number 7 and its treasure.", "--temperature", "0",
+               "--max-tokens", str(n), "--threads", str(args.threads), *DTYPE_FLAGS[dtype]]  # fmt: skip
+        cmd += ["--no-compile"] if args.no_compile else []
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        m = re.search(r"(\d+) generated in ([\d.]+)s", r.stderr)
+        if m is None:
+            return {"error": r.stderr[-500:]}
+        runs.append((int(m.group(1)), float(m.group(2))))
+    (n1, t1), (n2, t2) = runs
+    return {"decode_1": (n2 - n1) / (t2 - t1) if t2 > t1 else float("nan"), "runs": runs}
+
+
+def run_llama_cpp(python: str, quick: bool, threads: int) -> dict[str, Any]:
+    """llama.cpp's own loop (`bench/engine_throughput.py`'s worker) in an interpreter that has it."""
+    env = {**os.environ, "LONGCTX_BENCH_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    cmd = [python, str(ROOT / "bench" / "engine_throughput.py"), "--worker", "llama.cpp", "q4_1"]
+    cmd += ["--quick"] if quick else []
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    try:
+        return dict(json.loads(r.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        return {"error": (r.stderr or r.stdout)[-500:]}
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _worker(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # the ceiling: OpenMP's default
+    cmd = [sys.executable, __file__, "--worker", dtype, "--threads", str(args.threads)]
+    cmd += ["--quick"] if args.quick else []
+    cmd += ["--no-compile"] if args.no_compile else []
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    try:
+        return dict(json.loads(r.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        return {"error": r.stderr[-1500:]}
+
+
+def agreement(a: dict[str, Any], b: dict[str, Any]) -> str:
+    ta, tb = a.get("texts", []), b.get("texts", [])
+    same = sum(x == y for x, y in zip(ta, tb, strict=False))
+    return f"{same}/{max(len(ta), len(tb))}"
+
+
+METRICS = ["ttft_p50_ms", *(f"decode_{n}" for n in STREAMS), "decode_1_2k", "decode_1_8k"]
+TARGETS = [  # (what, served key, against, bound)
+    ("bf16 single-stream served / in-process", "bfloat16", "decode_1", "in", 0.9),
+    ("int8 single-stream served / in-process", "int8", "decode_1", "in", 0.9),
+    ("int4 single-stream served / in-process", "int4", "decode_1", "in", 0.9),
+    ("int4 served / llama.cpp", "int4", "decode_1", "llama", 1.0),
+    ("int8 served / llama.cpp", "int8", "decode_1", "llama", 0.8),
+    ("bf16 16 streams served / in-process", "bfloat16", "decode_16", "in", 0.9),
+]
+
+
+def report(results: dict[str, Any]) -> None:
+    print(f"\nload average {os.getloadavg()}; threads {results['threads']}; compiled {results['compiled']}")
+    header = f"{'system':<22}" + "".join(f"{m:>13}" for m in METRICS) + f"{'agree':>8}"
+    print(header)
+    for dtype, r in results["ours"].items():
+        for side in ("served", "in_process"):
+            row = r.get(side, {})
+            if "error" in row:
+                print(f"{dtype + ' ' + side:<22} error: {row['error'][-300:]}")
+                continue
+            cells = "".join(f"{row.get(m) or float('nan'):>13.1f}" for m in METRICS)
+            print(f"{dtype + ' ' + side:<22}{cells}{r.get('agree', ''):>8}")
+        s, i = r.get("served", {}), r.get("in_process", {})
+        ratios = [f"{(s.get(m) or 0) / i[m]:.2f}" if i.get(m) else "-" for m in METRICS[1:]]
+        print(f"{dtype + ' served/in':<22}{'':>13}" + "".join(f"{x:>13}" for x in ratios))
+        g = r.get("generate")
+        if g is not None:
+            print(f"{dtype + ' generate':<22}{'':>13}{g.get('decode_1') or float('nan'):>13.1f}")
+    for dtype, r in results["ours"].items():
+        split = r.get("served", {}).get("split")
+        if split:
+            print(f"{dtype} served, server-side means: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
+    lc = results.get("llama.cpp", {})
+    if "error" in lc:
+        print(f"llama.cpp: skipped ({lc['error'][-200:]})")
+    else:
+        print(
+            f"{'llama.cpp q4_1':<22}{'':>13}{lc.get('decode_1', 0):>13.1f}"
+            + " " * 39
+            + f"{lc.get('decode_1_2k', 0):>13.1f}"
+        )
+    print("\ntargets:")
+    verdicts = {}
+    for what, dtype, key, against, bound in TARGETS:
+        r = results["ours"].get(dtype)
+        if r is None:
+            continue
+        served = r.get("served", {}).get(key)
+        base = r.get("in_process", {}).get(key) if against == "in" else lc.get(key)
+        if not served or not base:
+            verdicts[what] = "not measured"
+        else:
+            ratio = served / base
+            verdicts[what] = f"{ratio:.2f} ({'met' if ratio >= bound else 'MISSED'}, >= {bound})"
+        print(f"  {what}: {verdicts[what]}")
+    for dtype, r in results["ours"].items():
+        s, i = r.get("served", {}), r.get("in_process", {})
+        g = r.get("generate", {}).get("decode_1")
+        if g and s.get("decode_1"):
+            ratio = g / s["decode_1"]
+            verdicts[f"{dtype} generate / serve"] = (
+                f"{ratio:.2f} ({'met' if abs(ratio - 1) <= 0.1 else 'MISSED'}, within 10%)"
+            )
+            print(f"  {dtype} generate vs serve single-stream: {verdicts[f'{dtype} generate / serve']}")
+        if s.get("ttft_p50_ms") and i.get("ttft_p50_ms"):
+            over = s["ttft_p50_ms"] - i["ttft_p50_ms"]
+            verdicts[f"{dtype} TTFT overhead"] = f"{over:.1f} ms ({'met' if over <= 10 else 'MISSED'}, <= 10 ms)"
+            print(f"  {dtype} TTFT overhead of the HTTP path: {verdicts[f'{dtype} TTFT overhead']}")
+    results["verdicts"] = verdicts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dtypes", default="bfloat16,int8,int4")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-python", default=sys.executable)
+    ap.add_argument("--generate-dtypes", default="int4", help="dtypes whose `longctx generate` is timed too")
+    ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(RESULTS / "served.json"))
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(run_in_process(args.worker, args)))
+        return
+    results: dict[str, Any] = {"threads": args.threads, "compiled": not args.no_compile, "ours": {}}
+    t0 = time.perf_counter()
+    for dtype in args.dtypes.split(","):
+        r: dict[str, Any] = {}
+        try:
+            r["served"] = run_served(dtype, args)
+        except Exception as e:
+            r["served"] = {"error": str(e)}
+        r["in_process"] = _worker(dtype, args)
+        r["agree"] = agreement(r["served"], r["in_process"])
+        if dtype in args.generate_dtypes.split(","):
+            r["generate"] = run_generate(dtype, args)
+        results["ours"][dtype] = r
+        print(f"{dtype}: done at {time.perf_counter() - t0:.0f} s", flush=True)
+    results["llama.cpp"] = run_llama_cpp(args.llama_python, args.quick, args.threads)
+    results["seconds"] = time.perf_counter() - t0
+    results["loadavg"] = os.getloadavg()
+    report(results)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for r in results["ours"].values():  # the texts stay out of the JSON (their agreement is in)
+        for side in ("served", "in_process"):
+            r.get(side, {}).pop("texts", None)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out} ({results['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

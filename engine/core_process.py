@@ -1,0 +1,364 @@
+"""The engine core in a process of its own: `python -m engine.core_process SPEC IN OUT`.
+
+The API process (`engine/core_client.py`) keeps HTTP, sessions and tokenization; this process
+loads the model, builds the `Engine` and steps it in a busy loop, schedule -> forward -> sample,
+on its main thread, with OpenMP free to spin (its `OMP_WAIT_POLICY` is set by the client, not
+PASSIVE as in the API process). Requests and aborts arrive on a ZMQ PULL socket (`IN`), drained
+between steps; each step's outputs leave in one message on a PUSH socket (`OUT`), with the
+load snapshot; counters and histograms follow every `METRICS_INTERVAL_S`.
+
+Startup, in order, each phase answered with `wire.Started`: `loaded` (the model; payload: the
+`LoadedModel` without its weights), then on `wire.Build` (sent once the API process knows the
+KV Redis URL) `engine` (payload: `EngineInfo`), then `compiled` (the compiled step's report, or
+None). A phase that fails answers with its error and the process exits 1. It also exits when
+its parent goes away (Linux's parent-death signal, and a check of the parent's pid). On
+`wire.Shutdown` it ends every open request with `abort`, sends them, then `wire.Stopped`.
+
+Structured output: the request carries its grammar's key (`wire.GrammarSpec`); the matcher is
+built here, where sampling happens, from a grammar compiled (and cached) here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import pickle
+import signal
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+log = logging.getLogger("longctx.engine")
+
+METRICS_INTERVAL_S = 0.25
+IDLE_POLL_MS = 100
+
+
+@dataclass
+class LoadSpec:
+    """What the engine process builds, picklable (the client writes it to a file).
+
+    Args:
+        load: keyword arguments of `engine.loading.loader.load` (`spec` is the model).
+        config: the engine's settings; `wire.Build` fills in the KV Redis tier.
+        grammar: `module:attr` of a factory `(tokenizer, vocab_size) -> (GrammarHook, compile)`,
+            where `compile(key)` returns a matcher for a grammar key (None: no structured output).
+        check_compiled: compile and self-check every bucket of the compiled step after building.
+        threads: torch's threads in this process (0: torch's default).
+        log_level: of this process's `longctx` loggers (they write to the inherited stderr).
+    """
+
+    load: dict[str, Any]
+    config: Any  # engine.engine_config.EngineConfig
+    grammar: str | None = "tools.grammar:engine_grammar"
+    check_compiled: bool = True
+    threads: int = 0
+    log_level: int = logging.INFO
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineInfo:
+    """What the API side needs of the built engine (admission limits, sizes)."""
+
+    max_model_len: int
+    capacity_tokens: int
+    vocab_size: int
+    page_size: int
+    config: Any  # EngineConfig
+    threads: int
+    pid: int
+
+
+class _Outbox:
+    """Collects a step's outputs; the request handles of this process push here."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+
+def _handle_class() -> Any:
+    from engine.request import RequestHandle
+
+    class OutboxHandle(RequestHandle):
+        def __init__(self, request_id: str, abort: Any, outbox: _Outbox):
+            super().__init__(request_id, abort)
+            self.outbox = outbox
+
+        def push(self, out: Any) -> None:
+            if self._closed:
+                return
+            self._closed = out.finish_reason is not None
+            self.outbox.items.append(out)
+
+    return OutboxHandle
+
+
+class _CommitWaiter:
+    """Answers `wire.CommitWait` on a thread of its own, with a PUSH socket of its own (a ZMQ
+    socket belongs to one thread), so a turn's commit waiting for its KV pages never holds up
+    the step loop."""
+
+    def __init__(self, engine: Any, ctx: Any, out_addr: str):
+        import queue
+        import threading
+
+        self.engine, self.ctx, self.out_addr = engine, ctx, out_addr
+        self.waits: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="longctx-commit-wait", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        from engine import wire
+
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 1000)
+        push.connect(self.out_addr)
+        try:
+            while (msg := self.waits.get()) is not None:
+                try:
+                    written = self.engine.kv_commit_wait(msg.timeout_s)
+                except Exception:  # the tier's trouble costs a recompute later, never the turn
+                    log.exception("KV commit wait failed")
+                    written = False
+                push.send(wire.encoder.encode(wire.CommitDone(msg.id, written)))
+        finally:
+            push.close()
+
+    def close(self) -> None:
+        self.waits.put(None)
+        self.thread.join(timeout=5)
+
+
+class CoreLoop:
+    """The engine process once its engine is built: drain the inbox, step, send the outputs."""
+
+    def __init__(
+        self, engine: Any, pull: Any, push: Any, grammar: Any, parent: int, waiter: _CommitWaiter | None = None
+    ):
+        from engine import wire
+
+        self.engine = engine
+        self.waiter = waiter
+        self.pull, self.push = pull, push
+        self.grammar = grammar  # compile(key) -> matcher, or None
+        self.parent = parent
+        self.outbox = _Outbox()
+        self.Handle = _handle_class()
+        self.wire = wire
+        self.unstarted: dict[str, Any] = {}  # request id -> Request, not yet scheduled
+        self.stopping = False
+        self._metrics_at = 0.0
+        self._parent_at = 0.0
+
+    def _add(self, msg: Any) -> None:
+        from engine.request import FinishReason, RequestOutput
+
+        matcher = None
+        try:
+            if msg.grammar is not None:
+                if self.grammar is None:
+                    raise ValueError("this engine has no grammar backend")
+                matcher = self.grammar(msg.grammar.key, msg.grammar.accepted)
+            handle = self.Handle(msg.request_id, self.engine.abort, self.outbox)
+            self.engine.add_request(
+                msg.prompt_ids, msg.params, request_id=msg.request_id, cache_salt=msg.cache_salt,
+                matcher=matcher, handle=handle,
+            )  # fmt: skip
+        except Exception as e:  # the API side checked the same limits: this is unexpected
+            log.warning("request %s refused in the engine process: %s", msg.request_id, e)
+            self.outbox.items.append(
+                RequestOutput(msg.request_id, [], "", None, FinishReason.ERROR, len(msg.prompt_ids), 0, str(e))
+            )
+            return
+        self.unstarted[msg.request_id] = None
+
+    def _drain(self, timeout_ms: int) -> None:
+        import zmq
+
+        wire = self.wire
+        if timeout_ms and not self.pull.poll(timeout_ms):
+            return
+        while True:
+            try:
+                raw = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = wire.to_engine.decode(raw)
+            if isinstance(msg, wire.Add):
+                self._add(msg)
+            elif isinstance(msg, wire.Abort):
+                self.engine.abort(msg.request_id)
+            elif isinstance(msg, wire.CommitWait):
+                if self.waiter is None:
+                    self.push.send(wire.encoder.encode(wire.CommitDone(msg.id, self.engine.kv_commit_wait(0.0))))
+                else:
+                    self.waiter.waits.put(msg)
+            elif isinstance(msg, wire.Shutdown):
+                self.stopping = True
+                return
+
+    def _started(self) -> list[str]:
+        if not self.unstarted:
+            return []
+        reqs = self.engine._requests
+        done = []
+        for rid in self.unstarted:  # a step ran since it was added: gone from `_requests` = finished
+            r = reqs.get(rid)
+            if r is None or r.first_scheduled_time is not None:
+                done.append(rid)
+        for rid in done:
+            del self.unstarted[rid]
+        return done
+
+    def _send(self) -> None:
+        started = self._started()
+        if any(out.finish_reason is not None for out in self.outbox.items):
+            self._send_metrics()  # first: a consumer that sees its final output sees it counted
+        if self.outbox.items or started:
+            outs, self.outbox.items = self.outbox.items, []
+            msg = self.wire.Outputs(outs, started, self.engine.snapshot(), time.monotonic())
+            self.push.send(self.wire.encoder.encode(msg), copy=False)
+        if time.monotonic() - self._metrics_at >= METRICS_INTERVAL_S:
+            self._send_metrics()
+
+    def _send_metrics(self) -> None:
+        e = self.engine
+        self._metrics_at = time.monotonic()
+        host = e.store.host.num_bytes if e.store is not None else 0
+        self.push.send(self.wire.encoder.encode(self.wire.Metrics(e.stats.snapshot(), e.kv_stats(), host)))
+
+    def run(self) -> None:
+        e = self.engine
+        while not self.stopping:
+            busy = e.has_unfinished()
+            self._drain(0 if busy else (2 if e.scheduler.loading else IDLE_POLL_MS))
+            if self.stopping:
+                break
+            if e.has_unfinished():
+                try:
+                    stepped = e.step()
+                except Exception as err:  # a bug outside any one request: fail those in flight
+                    log.exception("engine step failed")
+                    e._fail_all(f"engine error: {err}")
+                    stepped = False
+                if not stepped and e.scheduler.loading:
+                    time.sleep(0.001)
+            self._send()
+            now = time.monotonic()
+            if now - self._parent_at > 1.0:
+                self._parent_at = now
+                if os.getppid() != self.parent:
+                    log.error("the API process is gone; the engine process exits")
+                    return
+        e.shutdown()  # every open request ends with abort, pushed to the outbox
+        self._send()
+        self._send_metrics()
+        self.push.send(self.wire.encoder.encode(self.wire.Stopped()))
+
+
+def _factory(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def main(argv: list[str]) -> int:
+    spec_path, in_addr, out_addr = argv
+    parent = os.getppid()
+    with open(spec_path, "rb") as f:
+        spec: LoadSpec = pickle.load(f)
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s"
+    )
+    logging.getLogger("longctx").setLevel(spec.log_level)
+    import zmq
+
+    from engine import wire
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(in_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 5000)
+    push.connect(out_addr)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when to stop
+
+    def started(phase: str, payload: Any = None, error: str | None = None) -> None:
+        push.send(wire.encoder.encode(wire.Started(phase, pickle.dumps(payload) if error is None else b"", error)))
+
+    phase = "loaded"
+    try:
+        import torch
+
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        from engine.loading.loader import load
+
+        loaded = load(**spec.load)
+        model = loaded.model
+        started("loaded", replace(loaded, model=None))  # type: ignore[arg-type]  # its weights stay here
+        build = None
+        while build is None:
+            if not pull.poll(500):
+                if os.getppid() != parent:
+                    return 1
+                continue
+            msg = wire.to_engine.decode(pull.recv())
+            if isinstance(msg, wire.Shutdown):
+                push.send(wire.encoder.encode(wire.Stopped()))
+                return 0
+            if isinstance(msg, wire.Build):
+                build = msg
+        phase = "engine"
+        config = replace(
+            spec.config, kv_redis_url=build.kv_redis_url, kv_redis_prefix=build.kv_redis_prefix,
+            enable_prefix_caching=build.enable_prefix_caching,
+        )  # fmt: skip
+        hook, grammar = None, None
+        if spec.grammar:
+            hook, grammar = _factory(spec.grammar)(loaded.tokenizer, loaded.config.vocab_size)
+        from engine.engine import Engine
+
+        engine = Engine(model, loaded.tokenizer, config, grammar_hook=hook, fingerprint=loaded.stats.fingerprint)
+        info = EngineInfo(
+            engine.max_model_len, engine.capacity_tokens, engine.model_config.vocab_size, engine.kv_spec.page_size,
+            config, torch.get_num_threads(), os.getpid(),
+        )  # fmt: skip
+        started("engine", info)
+        phase = "compiled"
+        report = None
+        if spec.check_compiled:
+            from engine.model.compiled import CompiledStep
+            from engine.verify.self_check import warm_up_and_check
+
+            if isinstance(engine.runner.step, CompiledStep):
+                step, page = engine.runner.step, engine.kv_spec.page_size
+                if build.check_buckets is None:
+                    report = warm_up_and_check(step, page)
+                else:
+                    report = warm_up_and_check(step, page, tuple(build.check_buckets))
+        started("compiled", report)
+    except Exception as e:
+        log.exception("engine process: phase %s failed", phase)
+        started(phase, error=f"{type(e).__name__}: {e}")
+        push.close(linger=5000)
+        return 1
+    waiter = _CommitWaiter(engine, ctx, out_addr)
+    try:
+        CoreLoop(engine, pull, push, grammar, parent, waiter).run()
+    finally:
+        waiter.close()
+    push.close(linger=5000)
+    pull.close()
+    ctx.term()
+    return 0
+
+
+if __name__ == "__main__":  # through the module's own name: what it pickles must unpickle as engine.core_process.*
+    from engine import core_process
+
+    sys.exit(core_process.main(sys.argv[1:]))

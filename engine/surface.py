@@ -1,0 +1,29 @@
+"""What the session layer and routes use of an engine: the in-process `Engine` and the engine
+process's client (`engine/core_client.py`) both provide it."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from engine.request import RequestHandle
+from engine.sampling_params import SamplingParams
+
+
+class EngineSurface(Protocol):
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def capacity_tokens(self) -> int: ...
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str = "",
+        matcher: Any = None,
+    ) -> RequestHandle: ...
+
+    def kv_commit_wait(self, timeout_s: float) -> bool: ...

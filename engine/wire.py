@@ -1,0 +1,108 @@
+"""The messages between the API process and the engine process (`engine/core_process.py`).
+
+msgspec-encoded (msgpack), tagged unions, over ZMQ `ipc://` sockets: one PUSH/PULL pair each way.
+The engine batches outputs per step: one `Outputs` message carries every request's increment of
+that step, never one message per token per request. Startup results that only cross once (the
+loaded model's tokenizer and config, the compile report) travel pickled inside `Started`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.snapshot import EngineSnapshot
+from engine.stats import StatsSnapshot
+
+
+class GrammarSpec(msgspec.Struct, array_like=True):
+    """A request's output grammar as the engine process rebuilds it: the compiler's cache key
+    (`tools.grammar.GrammarCompiler.from_key`) and the tokens already accepted into the caller's
+    matcher (a forced prefix sent with the prompt)."""
+
+    key: str
+    accepted: list[int] = []
+
+
+# ---- API -> engine ----
+
+
+class Add(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str = ""
+    grammar: GrammarSpec | None = None
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+
+
+class Build(msgspec.Struct, tag="build", array_like=True):
+    """Build the engine now (the loaded weights wait for the settings known after the Redis phase)."""
+
+    kv_redis_url: str | None = None
+    kv_redis_prefix: str = "lc:kv"
+    enable_prefix_caching: bool = True
+    check_buckets: list[int] | None = None  # the compiled step's buckets to check (None: every one)
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class CommitWait(msgspec.Struct, tag="commit_wait", array_like=True):
+    """Wait up to `timeout_s` for the KV pages queued for Redis so far (`Engine.kv_commit_wait`);
+    answered by `CommitDone` with the same `id`."""
+
+    id: int
+    timeout_s: float
+
+
+ToEngine = Add | Abort | Build | Shutdown | CommitWait
+
+
+# ---- engine -> API ----
+
+
+class Outputs(msgspec.Struct, tag="out", array_like=True):
+    """One step's outputs; `started`: requests that stopped counting against `max_queued`;
+    `sent_at`: `time.monotonic()` in the engine process (one clock for both processes on Linux)."""
+
+    outputs: list[RequestOutput]
+    started: list[str]
+    snapshot: EngineSnapshot
+    sent_at: float
+
+
+class Metrics(msgspec.Struct, tag="metrics", array_like=True):
+    stats: StatsSnapshot
+    kv: dict[str, dict[str, int]]
+    host_bytes: int = 0  # KV pages held in the host tier
+
+
+class Started(msgspec.Struct, tag="started", array_like=True):
+    """A startup phase ended in the engine process: `loaded`, `engine`, `compiled`; `payload` is
+    that phase's result, pickled; `error` when it failed (the process then exits)."""
+
+    phase: str
+    payload: bytes = b""
+    error: str | None = None
+
+
+class Stopped(msgspec.Struct, tag="stopped", array_like=True):
+    """The engine process ended every request and is exiting."""
+
+
+class CommitDone(msgspec.Struct, tag="commit_done", array_like=True):
+    id: int
+    written: bool  # every page queued before the wait reached Redis (False: the rest are marked pending)
+
+
+FromEngine = Outputs | Metrics | Started | Stopped | CommitDone
+
+encoder = msgspec.msgpack.Encoder()
+to_engine = msgspec.msgpack.Decoder(ToEngine)
+from_engine = msgspec.msgpack.Decoder(FromEngine)
