@@ -31,27 +31,6 @@ pytestmark = pytest.mark.slow
 CONFIG = EngineConfig(kv_cache_bytes=4 << 20, threads=1)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with the demo tokenizer (its vocabulary and chat template)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.loading.gguf_cache import GGUFCache
-    from engine.loading.loader import load_tokenizer
-    from engine.loading.model_source import resolve_model
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=49152, max_position_embeddings=512, tie_word_embeddings=True,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(path)
-    load_tokenizer(resolve_model(str(demo_gguf)), (), GGUFCache(demo_gguf)).hf.save_pretrained(path)
-    return path
-
-
 def _client(model: Path) -> tuple[EngineClient, object]:
     spec = LoadSpec(load=dict(spec=str(model), dtype="float32", progress=False), config=CONFIG, threads=1)
     client = EngineClient(spec)
