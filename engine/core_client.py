@@ -50,6 +50,11 @@ class EngineStartFailed(RuntimeError):
     """A startup phase of the engine process failed (its message says which and why)."""
 
 
+class EngineBadInput(EngineStartFailed, ValueError):
+    """The engine process could not start on the model or options it was given (not found,
+    unsupported, a bad checkpoint): the user's to fix, reported as `longctx: error: ...`."""
+
+
 class _Stats:
     """`engine.stats` of the client: the engine's last `StatsSnapshot` (sent every 0.25 s)."""
 
@@ -152,6 +157,8 @@ class EngineClient:
                     raise EngineStartFailed(f"engine process: no {phase} phase within {timeout_s} s")
                 self._phase_cv.wait(0.1 if left is None else min(left, 0.1))
             msg = self._phases[phase]
+        if msg.error is not None and msg.bad_input:
+            raise EngineBadInput(msg.error)
         if msg.error is not None:
             raise EngineStartFailed(f"engine process, phase {phase}: {msg.error}")
         return pickle.loads(msg.payload)

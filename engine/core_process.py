@@ -287,8 +287,9 @@ def main(argv: list[str]) -> int:
     push.connect(out_addr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when to stop
 
-    def started(phase: str, payload: Any = None, error: str | None = None) -> None:
-        push.send(wire.encoder.encode(wire.Started(phase, pickle.dumps(payload) if error is None else b"", error)))
+    def started(phase: str, payload: Any = None, error: str | None = None, bad_input: bool = False) -> None:
+        data = pickle.dumps(payload) if error is None else b""
+        push.send(wire.encoder.encode(wire.Started(phase, data, error, bad_input)))
 
     phase = "loaded"
     try:
@@ -343,8 +344,16 @@ def main(argv: list[str]) -> int:
                     report = warm_up_and_check(step, page, tuple(build.check_buckets))
         started("compiled", report)
     except Exception as e:
-        log.exception("engine process: phase %s failed", phase)
-        started(phase, error=f"{type(e).__name__}: {e}")
+        from engine.loading.model_source import ModelNotFound
+        from engine.loading.safetensors_file import CheckpointError
+        from engine.model.config import UnsupportedModel
+
+        if isinstance(e, (ModelNotFound, UnsupportedModel, CheckpointError, ValueError)):
+            # the model or its options: the API process says it in one line, no traceback
+            started(phase, error=str(e), bad_input=True)
+        else:
+            log.exception("engine process: phase %s failed", phase)
+            started(phase, error=f"{type(e).__name__}: {e}")
         push.close(linger=5000)
         return 1
     waiter = _CommitWaiter(engine, ctx, out_addr)

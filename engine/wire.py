@@ -90,6 +90,7 @@ class Started(msgspec.Struct, tag="started", array_like=True):
     phase: str
     payload: bytes = b""
     error: str | None = None
+    bad_input: bool = False  # the error is the model or its options (not found, unsupported), not a crash
 
 
 class Stopped(msgspec.Struct, tag="stopped", array_like=True):

@@ -182,6 +182,8 @@ def test_random_interleavings() -> None:
     _random_interleavings()
     n = STATS["examples"]
     assert n >= EXAMPLES // 2, STATS
-    assert STATS["preempted"] >= 0.2 * n, STATS
+    # Admission bounded by the pages a prompt needs (the scheduler runs fewer at once rather than
+    # thrash) makes preemption rarer than it was: 18-22% of the examples over runs, still hundreds.
+    assert STATS["preempted"] >= 0.1 * n, STATS
     assert STATS["concurrent"] > 0.5 * n, STATS
     assert STATS["reclaimed"] >= 0.1 * n and STATS["tail"] >= 0.01 * n, STATS
