@@ -272,8 +272,10 @@ def _head_cost_ms(model: Any, reps: int = 20) -> dict[str, float]:
     out: dict[str, float] = {}
     dtype = model.model.norm.weight.dtype
     packed = None
-    if dtype == torch.bfloat16 and packing_supported(dtype, torch.device("cpu")) and model.lm_head is None:
-        packed = PackedLinear(model.model.embed_tokens.weight.detach())
+    table = getattr(model.model.embed_tokens, "weight", None)  # None: a quantized table (int8 / int4 head)
+    bf16_table = isinstance(table, torch.Tensor) and model.lm_head is None
+    if dtype == torch.bfloat16 and bf16_table and packing_supported(dtype, torch.device("cpu")):
+        packed = PackedLinear(table.detach())
     with torch.inference_mode():
         for rows in (1, 16):
             x = torch.randn(rows, model.config.hidden_size, dtype=dtype)
