@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -39,6 +39,7 @@ from engine.request import ConsumerGone, FinishReason, RequestHandle, RequestOut
 from engine.sampling_params import SamplingParams
 from engine.snapshot import EngineSnapshot
 from engine.stats import Histogram, StatsSnapshot
+from engine.surface import Generates
 
 log = logging.getLogger("longctx.engine")
 
@@ -78,7 +79,7 @@ class _CommitAnswer:
         self.written = False
 
 
-class EngineClient:
+class EngineClient(Generates):
     """Starts `python -m engine.core_process` and talks to it.
 
     Args:
@@ -239,22 +240,6 @@ class EngineClient:
                 self._queued.discard(rid)
             raise
         return handle
-
-    @contextlib.asynccontextmanager
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        cache_salt: str = "",
-        matcher: Any = None,
-    ) -> AsyncIterator[RequestHandle]:
-        handle = self.add_request(
-            prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, matcher=matcher
-        )
-        async with handle:
-            yield handle
 
     def abort(self, request_id: str) -> None:
         """Stop a request; safe from any thread and from async code (never blocks on the engine)."""

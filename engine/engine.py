@@ -8,12 +8,10 @@ between steps. `shutdown()` ends every open request with `FinishReason.ABORT`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import cast
 
@@ -26,6 +24,7 @@ from engine.request import (
     RequestHandle,
 )
 from engine.sampling_params import SamplingParams
+from engine.surface import Generates
 from kvstore.prefix import max_cached_pages, page_hashes
 
 __all__ = ["Engine", "EngineConfig"]  # EngineConfig: its settings, imported from here too
@@ -33,7 +32,7 @@ __all__ = ["Engine", "EngineConfig"]  # EngineConfig: its settings, imported fro
 log = logging.getLogger("longctx.engine")
 
 
-class Engine(EngineCore):
+class Engine(EngineCore, Generates):
     # ---- the caller's side (any thread) ----
 
     def add_request(
@@ -63,24 +62,6 @@ class Engine(EngineCore):
         self.admission.submit(lambda: self._inbox.put(("add", req)))
         self._wake.set()
         return handle
-
-    @contextlib.asynccontextmanager
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        cache_salt: str = "",
-        matcher: Matcher | None = None,
-    ) -> AsyncIterator[RequestHandle]:
-        """`async with engine.generate(ids, params) as handle:`; leaving the block before the
-        final output (an exception, a cancelled task, a client gone) aborts the request."""
-        handle = self.add_request(
-            prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, matcher=matcher
-        )
-        async with handle:
-            yield handle
 
     def abort(self, request_id: str) -> None:
         """Stop a request; safe from any thread and from async code (never blocks)."""
