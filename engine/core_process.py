@@ -356,11 +356,13 @@ def main(argv: list[str]) -> int:
             started(phase, error=f"{type(e).__name__}: {e}")
         push.close(linger=5000)
         return 1
-    waiter = _CommitWaiter(engine, ctx, out_addr)
+    # Commit waits only have something to wait for with a Redis tier (without one the loop answers them at once).
+    waiter = _CommitWaiter(engine, ctx, out_addr) if config.kv_redis_url else None
     try:
         CoreLoop(engine, pull, push, grammar, parent, waiter).run()
     finally:
-        waiter.close()
+        if waiter is not None:
+            waiter.close()
     push.close(linger=5000)
     pull.close()
     ctx.term()
