@@ -130,7 +130,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size > 1 or args.expert_parallel:
         return _generate_in_process(args)
     from api.model_load import core_spec, engine_wait_policy, placement
-    from engine.core_client import EngineClient
+    from engine.process.client import EngineClient
 
     engine_threads, api_threads = placement(args.threads)
     torch.set_num_threads(api_threads)

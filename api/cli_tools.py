@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.grammar import Matcher
 from engine.loading.tokenizer import Tokenizer
+from engine.sampling.grammar import Matcher
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,8 +1,8 @@
 """`longctx serve`'s engine process, started from the moment the command starts, and where each
 process's threads go.
 
-The engine core runs in a process of its own (`engine/core_process.py`, driven through
-`engine.core_client.EngineClient`): it loads the model while this process imports the HTTP
+The engine core runs in a process of its own (`engine/process/main.py`, driven through
+`engine.process.client.EngineClient`): it loads the model while this process imports the HTTP
 stack (Litestar, xgrammar, transformers) and runs the Redis phase, then builds the engine once
 `build()` brings the KV Redis URL. This process keeps HTTP, sessions, tokenization and grammar
 compiling. This module imports nothing heavy itself.
@@ -65,7 +65,7 @@ def load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def core_spec(args: argparse.Namespace, engine_threads: int) -> Any:
     """The engine process's `LoadSpec` for the serve flags."""
     from api.engine_args import engine_config
-    from engine.core_process import LoadSpec
+    from engine.process.main import LoadSpec
 
     config = engine_config(args, threads=engine_threads)
     level = logging.getLogger("longctx").getEffectiveLevel()
@@ -76,7 +76,7 @@ class ModelLoad:
     """The engine process for the serve flags, started at once (it loads while we import)."""
 
     def __init__(self, args: argparse.Namespace):
-        from engine.core_client import EngineClient
+        from engine.process.client import EngineClient
 
         self.args = args
         self.started_at = time.perf_counter()

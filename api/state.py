@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-    from engine.core_client import EngineClient
     from engine.loading.loader import LoadedModel
+    from engine.process.client import EngineClient
     from engine.verify.self_check import CompileReport
 
 Hook = Callable[["ServerState"], Awaitable[None]]
@@ -80,7 +80,7 @@ class ServerState:
     draining: bool = False  # SIGTERM seen: no new work is admitted
     error: str | None = None  # why startup failed
     loaded: LoadedModel | None = None
-    engine: EngineClient | None = None  # the engine process's client (`engine/core_client.py`)
+    engine: EngineClient | None = None  # the engine process's client (`engine/process/client.py`)
     redis: Redis | None = None  # redis.asyncio client of the state Redis, bound to the server's loop
     grammar: Any = None  # tools.grammar.GrammarCompiler for the model's tokenizer
     compile_report: CompileReport | None = None  # the compiled step's buckets and their self-check

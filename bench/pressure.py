@@ -158,7 +158,7 @@ def cold_prefill(lm: Any, url: str, a: Any) -> float:
 def restore_breakdown(lm: Any, tier: str, url: str, a: Any) -> dict[str, Any]:
     """A `restore_tokens` turn whose previous turn's pages are only in the host tier or only in
     Redis: where its TTFT goes."""
-    import engine.scheduler_prefix as sp
+    import engine.scheduling.prefix as sp
     from engine.model_runner import ModelRunner
     from kvstore.kv_cache import KVCache
     from kvstore.redis_tier import RedisTier

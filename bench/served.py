@@ -2,7 +2,7 @@
 in-process engine and llama.cpp's own loop, every system in one run, on the demo model.
 
 For each dtype of ours (bf16, int8, int4 = weight-only linears, bf16 activations):
-- served: `longctx serve` (the engine in its own process, `engine/core_process.py`), driven by
+- served: `longctx serve` (the engine in its own process, `engine/process/main.py`), driven by
   `openai.AsyncOpenAI` over `/v1/chat/completions` with `stream: true` and usage;
 - in-process: the same engine flags, `Engine` stepped on one thread of a worker process (the
   ceiling, as `bench/engine_throughput.py` runs it), the same chat prompts rendered by the

@@ -28,10 +28,10 @@ RESULTS = ROOT / "bench" / "results"
 BENCH = ROOT / "tests" / "data" / "jsonschemabench"
 
 from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.grammar import GrammarHook, Matcher  # noqa: E402
 from engine.loading.loader import LoadedModel, load  # noqa: E402
 from engine.loading.model_source import pull_demo  # noqa: E402
 from engine.request import FinishReason  # noqa: E402
+from engine.sampling.grammar import GrammarHook, Matcher  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from tools.grammar import GrammarCompiler, XGrammarHook  # noqa: E402
 from tools.schema import InvalidSchema, validate_instance  # noqa: E402

@@ -23,26 +23,26 @@ from typing import cast
 
 import torch
 
-from engine.admission import Admission
 from engine.distributed.parallel import SINGLE, ParallelContext
 from engine.engine_config import EngineConfig
-from engine.grammar import GrammarHook
 from engine.kv_connector import KVConnector, NoConnector
 from engine.kv_tiers import build_tiers, kv_namespace, kv_stats, reclaim_window
 from engine.loading.tokenizer import Tokenizer
 from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
 from engine.model_runner import Chunk, ModelRunner
-from engine.output_processor import OutputProcessor
-from engine.prefill_rate import PrefillRate
 from engine.request import (
     ConsumerGone,
     FinishReason,
     Request,
     RequestOutput,
 )
-from engine.sampler import Sampler
-from engine.scheduler import ScheduledChunk, Scheduler
+from engine.sampling.grammar import GrammarHook
+from engine.sampling.output_processor import OutputProcessor
+from engine.sampling.sampler import Sampler
+from engine.scheduling.admission import Admission
+from engine.scheduling.prefill_rate import PrefillRate
+from engine.scheduling.scheduler import ScheduledChunk, Scheduler
 from engine.snapshot import EngineSnapshot
 from engine.stats import EngineStats
 from kvstore.block_pool import BlockPool

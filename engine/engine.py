@@ -17,12 +17,12 @@ from typing import cast
 
 from engine.core import EngineCore
 from engine.engine_config import EngineConfig
-from engine.grammar import Matcher
 from engine.request import (
     FinishReason,
     Request,
     RequestHandle,
 )
+from engine.sampling.grammar import Matcher
 from engine.sampling_params import SamplingParams
 from engine.surface import Generates
 from kvstore.prefix import max_cached_pages, page_hashes
@@ -55,7 +55,7 @@ class Engine(EngineCore, Generates):
         handle = handle or RequestHandle(rid, self.abort)
         req = Request(rid, list(prompt_token_ids), params, handle, cache_salt=cache_salt, matcher=matcher)
         if self.tokenizer is not None:
-            from engine.detokenizer import IncrementalDetokenizer, StopChecker
+            from engine.sampling.detokenizer import IncrementalDetokenizer, StopChecker
 
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.skip_special_tokens)
             req.stopper = StopChecker(params.stop)

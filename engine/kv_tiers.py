@@ -20,7 +20,7 @@ from kvstore.spec import KVSpec
 from kvstore.tiers import TieredStore
 
 if TYPE_CHECKING:
-    from engine.scheduler import Scheduler
+    from engine.scheduling.scheduler import Scheduler
 
 
 # ModelConfig fields that change no K or V value: token ids only name where generation stops,

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from engine.page_table import PageTable
 from engine.sampling_params import SamplingParams
+from engine.scheduling.page_table import PageTable
 
 if TYPE_CHECKING:
-    from engine.grammar import Matcher
+    from engine.sampling.grammar import Matcher
 
 
 class ContextTooLong(ValueError):
@@ -218,8 +218,8 @@ class Request:
     first_scheduled_time: float | None = None  # queue time ends here
     first_token_time: float | None = None
     last_token_time: float | None = None  # inter-token latency starts here
-    detok: Any = None  # engine.detokenizer.IncrementalDetokenizer
-    stopper: Any = None  # engine.detokenizer.StopChecker
+    detok: Any = None  # engine.sampling.detokenizer.IncrementalDetokenizer
+    stopper: Any = None  # engine.sampling.detokenizer.StopChecker
     finished: bool = False
 
     @property

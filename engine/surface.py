@@ -1,5 +1,5 @@
 """What the session layer and routes use of an engine: the in-process `Engine` and the engine
-process's client (`engine/core_client.py`) both provide it."""
+process's client (`engine/process/client.py`) both provide it."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from engine.request import Request, RequestHandle
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, Scheduler
+from engine.scheduling.scheduler import ScheduledChunk, Scheduler
 from kvstore.block_pool import BlockPool
 from kvstore.prefix import Namespace, find_tail
 

@@ -1,4 +1,4 @@
-"""The engine core in its own process (`engine/core_process.py`) and its client: the wire's
+"""The engine core in its own process (`engine/process/main.py`) and its client: the wire's
 messages round-trip; outputs agree with the in-process engine and come batched per step; an
 abort, a shutdown and the engine process's death each end every open request; a matcher's
 position (a forced prefix accepted on the API side) crosses the boundary; and a server whose
@@ -16,10 +16,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine import wire
-from engine.core_client import EngineClient
-from engine.core_process import LoadSpec
 from engine.engine_config import EngineConfig
+from engine.process import wire
+from engine.process.client import EngineClient
+from engine.process.main import LoadSpec
 from engine.request import EngineClosed, FinishReason, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.snapshot import EngineSnapshot
@@ -189,7 +189,7 @@ def test_server_answers_503_then_exits_1_when_its_engine_process_dies(tiny_model
     with shared_redis() as (url, _):
         server = start_server(tiny_model, "--redis-url", url, *args, log=tmp_path / "serve.log")
         try:
-            engines = [p for p in psutil.Process(server.proc.pid).children() if "engine.core_process" in p.cmdline()]
+            engines = [p for p in psutil.Process(server.proc.pid).children() if "engine.process.main" in p.cmdline()]
             assert len(engines) == 1
             engines[0].kill()
             deadline, seen = time.monotonic() + 10, None

@@ -19,9 +19,9 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer, StopChecker
 from engine.loading.model_source import DEMO_MODEL, resolve_model
 from engine.loading.tokenizer import Tokenizer
+from engine.sampling.detokenizer import IncrementalDetokenizer, StopChecker
 
 TEXTS = [
     "Hello, world!",

@@ -14,8 +14,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.engine import Engine, EngineConfig
-from engine.output_processor import DEAD_END
 from engine.request import EngineClosed, FinishReason, RequestHandle, RequestOutput
+from engine.sampling.output_processor import DEAD_END
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import build_tiny, one_thread
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.grammar import new_bitmask
 from engine.request import FinishReason
+from engine.sampling.grammar import new_bitmask
 from engine.sampling_params import SamplingParams
 from tests.structured_demo import SCHEMAS, compiler, demo_bf16, engine, json_prompt, with_special_marker
 from tools.constraints import parse_output_format

@@ -18,9 +18,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.engine import Engine, EngineConfig
 from engine.kv_connector import LOOKUP_FLOOR_S, lookup_plan
-from engine.prefill_rate import PrefillRate
 from engine.request import RequestHandle
 from engine.sampling_params import SamplingParams
+from engine.scheduling.prefill_rate import PrefillRate
 from kvstore.transfer_estimate import TransferEstimate
 from tests.delay_proxy import delay_proxy
 from tests.redis_server import shared_redis

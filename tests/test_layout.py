@@ -121,7 +121,7 @@ def test_no_import_circle() -> None:
 
 def test_the_rules_catch_a_bad_import() -> None:
     """The checker itself: each kind of forbidden import is named, allowed ones pass."""
-    assert _violation("engine.model.model", "engine.scheduler") == (
+    assert _violation("engine.model.model", "engine.scheduling.scheduler") == (
         "engine.model may import only engine.attention, engine.distributed.parallel, engine.model"
     )
     assert _violation("engine.model.rope", "engine.distributed.launch")
@@ -147,3 +147,10 @@ def test_no_module_shadows_the_standard_library() -> None:
         if f.stem in sys.stdlib_module_names
     ]
     assert not clashes, f"these files shadow standard-library modules: {clashes}"
+
+
+def test_engine_top_level_stays_small() -> None:
+    """The serving loop's top level holds its few nouns; the scheduler's parts live in
+    `engine/scheduling/`, the sampler's in `engine/sampling/`, the engine process in `engine/process/`."""
+    top = sorted(p.name for p in (ROOT / "engine").glob("*.py"))
+    assert len(top) <= 16, f"engine/ has {len(top)} top-level files: {top}"

@@ -8,7 +8,7 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_paged import TorchPagedBackend
-from engine.page_table import MIN_CAPACITY, PageTable
+from engine.scheduling.page_table import MIN_CAPACITY, PageTable
 
 
 def test_append_and_release_follow_a_list_and_stay_compact() -> None:

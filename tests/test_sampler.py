@@ -16,8 +16,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from engine.logits_processor import apply_token_bitmask_, process_logits
-from engine.sampler import Sampler, sample_from_probs, seeded_uniforms
+from engine.sampling.logits_processor import apply_token_bitmask_, process_logits
+from engine.sampling.sampler import Sampler, sample_from_probs, seeded_uniforms
 from engine.sampling_params import SamplingParams
 
 V = 1000

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SALT_CACHE_SIZE, Scheduler
+from engine.scheduling.scheduler import SALT_CACHE_SIZE, Scheduler
 from kvstore.block_pool import BlockPool
 from tests.scheduler_sim import FakeConnector, Sim
 

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
 from engine.request import FinishReason
+from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from tests.structured_demo import compiler, demo_bf16, engine, with_special_marker
 from tools import custom

@@ -22,7 +22,7 @@ import torch
 
 from engine.request import Request, RequestHandle
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, Scheduler
+from engine.scheduling.scheduler import ScheduledChunk, Scheduler
 from kvstore.block_pool import BlockPool
 from kvstore.codec import PageCodec
 from kvstore.kv_cache import KVCache

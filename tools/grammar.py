@@ -1,4 +1,4 @@
-"""xgrammar behind the engine's grammar hook (`engine.grammar`).
+"""xgrammar behind the engine's grammar hook (`engine.sampling.grammar`).
 
 Two levels, as in vLLM's structured-output backends: a `GrammarCompiler` built once per tokenizer
 (compiling takes ~0.1 s a schema, so compiled grammars are cached by their canonical JSON), and per
@@ -7,7 +7,7 @@ whole batch in one `BatchGrammarMatcher` call, in the engine's bitmask format (`
 int32, bit set = allowed, V = the model's vocab size, which may exceed the tokenizer's).
 
 Matchers are created on the caller's thread and then used only by the engine thread. With the
-engine in its own process (`engine/core_process.py`) a matcher crosses as its grammar's cache key
+engine in its own process (`engine/process/main.py`) a matcher crosses as its grammar's cache key
 and the tokens it has accepted (`XGrammarMatcher.key`, `.accepted`): the engine process compiles
 the key again (`GrammarCompiler.from_key`, cached there too) and replays the tokens.
 """
@@ -23,8 +23,8 @@ import torch
 import xgrammar as xgr
 from xgrammar import structural_tag as st
 
-from engine.grammar import GrammarHook, Matcher
 from engine.loading.tokenizer import Tokenizer
+from engine.sampling.grammar import GrammarHook, Matcher
 from tools.constraints import OutputFormat, parse_output_format, parse_tool_choice
 from tools.formats import HERMES, ToolCallFormat, structural_tag
 from tools.schema import InvalidOutputFormat, InvalidSchema, ToolSpec, check_json_schema, clean_compiler_message
@@ -198,7 +198,7 @@ class GrammarCompiler:
 
 
 def engine_grammar(tokenizer: Tokenizer, vocab_size: int) -> tuple[XGrammarHook, Any]:
-    """The engine process's grammar side (`engine.core_process.LoadSpec.grammar`): the batch hook,
+    """The engine process's grammar side (`engine.process.main.LoadSpec.grammar`): the batch hook,
     and `matcher(key, accepted)` rebuilding a caller's matcher at the same position."""
     compiler = GrammarCompiler(tokenizer, vocab_size)
 

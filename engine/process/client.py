@@ -1,4 +1,4 @@
-"""The API process's side of the engine process (`engine/core_process.py`).
+"""The API process's side of the engine process (`engine/process/main.py`).
 
 `EngineClient` has the surface the session layer and routes use of an in-process `Engine`:
 `add_request` (returning the same `RequestHandle`, iterated blocking or from asyncio),
@@ -32,11 +32,11 @@ from typing import Any
 
 import zmq
 
-from engine import wire
-from engine.admission import Admission
-from engine.core_process import EngineInfo, LoadSpec
+from engine.process import wire
+from engine.process.main import EngineInfo, LoadSpec
 from engine.request import ConsumerGone, FinishReason, RequestHandle, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.scheduling.admission import Admission
 from engine.snapshot import EngineSnapshot
 from engine.stats import Histogram, StatsSnapshot
 from engine.surface import Generates
@@ -80,7 +80,7 @@ class _CommitAnswer:
 
 
 class EngineClient(Generates):
-    """Starts `python -m engine.core_process` and talks to it.
+    """Starts `python -m engine.process.main` and talks to it.
 
     Args:
         spec: what the engine process loads and builds.
@@ -113,7 +113,7 @@ class EngineClient(Generates):
         if spec.threads:
             env["OMP_NUM_THREADS"] = str(spec.threads)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.core_process", spec_path, in_addr, out_addr],
+            [sys.executable, "-m", "engine.process.main", spec_path, in_addr, out_addr],
             env=env,
             start_new_session=True,
         )

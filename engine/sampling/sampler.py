@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from engine.logits_processor import process_logits
+from engine.sampling.logits_processor import process_logits
 from engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")

@@ -1,6 +1,6 @@
-"""The engine core in a process of its own: `python -m engine.core_process SPEC IN OUT`.
+"""The engine core in a process of its own: `python -m engine.process.main SPEC IN OUT`.
 
-The API process (`engine/core_client.py`) keeps HTTP, sessions and tokenization; this process
+The API process (`engine/process/client.py`) keeps HTTP, sessions and tokenization; this process
 loads the model, builds the `Engine` and steps it in a busy loop, schedule -> forward -> sample,
 on its main thread, with OpenMP free to spin (its `OMP_WAIT_POLICY` is set by the client, not
 PASSIVE as in the API process). Requests and aborts arrive on a ZMQ PULL socket (`IN`), drained
@@ -113,7 +113,7 @@ class _CommitWaiter:
     def _run(self) -> None:
         import zmq
 
-        from engine import wire
+        from engine.process import wire
 
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
@@ -140,7 +140,7 @@ class CoreLoop:
     def __init__(
         self, engine: Any, pull: Any, push: Any, grammar: Any, parent: int, waiter: _CommitWaiter | None = None
     ):
-        from engine import wire
+        from engine.process import wire
 
         self.engine = engine
         self.waiter = waiter
@@ -277,7 +277,7 @@ def main(argv: list[str]) -> int:
     logging.getLogger("longctx").setLevel(spec.log_level)
     import zmq
 
-    from engine import wire
+    from engine.process import wire
 
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -369,7 +369,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # through the module's own name: what it pickles must unpickle as engine.core_process.*
-    from engine import core_process
+if __name__ == "__main__":  # through the module's own name: what it pickles must unpickle as engine.process.main.*
+    from engine.process import main as engine_main
 
-    sys.exit(core_process.main(sys.argv[1:]))
+    sys.exit(engine_main.main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""The messages between the API process and the engine process (`engine/core_process.py`).
+"""The messages between the API process and the engine process (`engine/process/main.py`).
 
 msgspec-encoded (msgpack), tagged unions, over ZMQ `ipc://` sockets: one PUSH/PULL pair each way.
 The engine batches outputs per step: one `Outputs` message carries every request's increment of

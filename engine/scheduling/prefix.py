@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from engine.kv_connector import KVConnector, NoConnector, PendingFetch, lookup_plan
-from engine.page_table import PageTable
 from engine.request import Request
+from engine.scheduling.page_table import PageTable
 from kvstore.block_pool import BlockPool
 from kvstore.prefix import Namespace, find_tail, hash_page, max_cached_pages
 

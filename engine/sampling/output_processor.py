@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from engine.grammar import GrammarHook, new_bitmask
-from engine.logits_processor import rows_without_token
 from engine.request import FinishReason, Request, RequestOutput, TokenLogprob
-from engine.sampler import Sampler, SamplerOutput, TokenLogprobs
+from engine.sampling.grammar import GrammarHook, new_bitmask
+from engine.sampling.logits_processor import rows_without_token
+from engine.sampling.sampler import Sampler, SamplerOutput, TokenLogprobs
 from engine.stats import EngineStats
 
 log = logging.getLogger("longctx.engine")

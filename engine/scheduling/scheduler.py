@@ -39,7 +39,7 @@ fetching is expected to beat recomputing (the connector's measured cost against 
 at most `lookup_timeout_s`; a remote tier is not even asked when recomputing is cheaper. Pages
 matched in the pool or restored into it are `touch`ed (the connector keeps their copies alive).
 Pages that fill up are named by their hash once computed, and offered to the connector. (That
-side lives in `engine/scheduler_prefix.py`.)
+side lives in `engine/scheduling/prefix.py`.)
 
 Sliding windows (`window`: set when every layer of the model has one, to the largest): a
 running request releases its pages older than the window of its next token as it advances
@@ -65,7 +65,7 @@ from typing import NamedTuple
 
 from engine.kv_connector import KVConnector, NoConnector
 from engine.request import Request
-from engine.scheduler_prefix import BLOCKED, PARKED, SALT_CACHE_SIZE, UNUSED_REASONS, PrefixLookup, _Loading
+from engine.scheduling.prefix import BLOCKED, PARKED, SALT_CACHE_SIZE, UNUSED_REASONS, PrefixLookup, _Loading
 
 __all__ = ["SALT_CACHE_SIZE", "ScheduledChunk", "Scheduler"]
 from kvstore.block_pool import BlockPool
