@@ -10,7 +10,7 @@ where float32 decides for the cell's dtype and over all positions; the relative 
 compiled cells the largest per-bucket error against the eager cell of the same kernels; and
 whether greedy answers to three questions equal eager float32's. A cell under its agreement floor
 (`engine/verify/bounds.py`) is marked INVALID. Prints a table and writes
-bench/results/fidelity.json; the README's table comes from it.
+bench/results/fidelity.json; docs/benchmarks.md's table comes from it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The import rules of the layout (README, "Layout"), checked over every module's imports.
+"""The import rules of the layout (docs/layout.md), checked over every module's imports.
 
 Every `import` and `from ... import` is read from the source (also those inside functions and
 under `TYPE_CHECKING`), mapped to the project's package it names, and checked against an

@@ -31,7 +31,7 @@ from tests.tiny_models import TinyModel, build_tiny, make_runner, one_thread, re
 MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}
 MODES = [QuantConfig("int8"), QuantConfig("int4", 32)]
 # int4 at group 128 on the demo model, calibrated (`engine/loading/calibrate.py`): 0.90 top-1
-# agreement and perplexity within 8% of bf16 (reached: 93%, +6.4%; README, "Weight-only quantization").
+# agreement and perplexity within 8% of bf16 (reached: 93%, +6.4%; docs/quantization.md).
 AGREE_G128, PPL_G128 = 0.90, 0.08
 
 
@@ -198,7 +198,7 @@ def bf16_reference(demo_gguf: Path) -> tuple[list[int], torch.Tensor, int]:
 
 # (mode, group, top-1 agreement, perplexity bound, weight bytes bound). int4 at group 32 takes the
 # GGUF's Q4_1 codes as they are; at 128 it quantizes the dequantized float weights (576-wide
-# inputs take group 64: 576 = 9 x 64). Its LM head (the tied embedding) stays int8, see README.
+# inputs take group 64: 576 = 9 x 64). Its LM head (the tied embedding) stays int8, see docs/quantization.md.
 DEMO_CASES = [("int8", 32, 0.97, 0.02, 0.55), ("int4", 32, 0.90, 0.08, 0.36), ("int4", 128, AGREE_G128, PPL_G128, 0.35)]
 
 

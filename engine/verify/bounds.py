@@ -8,7 +8,7 @@ moves logits by 10% or more: far past either bound.
 
 `agreement_floor`: teacher-forced top-1 agreement with eager float32 where float32 decides for
 the path's dtype (`agreement.decided`), the floor per (dtype, quantization). Quantization changes
-the weights, so its floor is lower; the demo model's measured figures are in the README.
+the weights, so its floor is lower; the demo model's measured figures are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def compiled_bound(dtype: torch.dtype) -> float:
 
 
 # Served configurations' floors of top-1 agreement with eager float32 over the fixed text, where
-# float32 decides (measured on the demo model: bf16 ~99%, int8 ~97%, int4 ~90%, in the README).
+# float32 decides (measured on the demo model: bf16 ~99%, int8 ~97%, int4 ~90%, in docs/benchmarks.md).
 AGREEMENT_FLOORS = {"none": 0.97, "int8": 0.93, "int4": 0.85}
 
 
