@@ -181,19 +181,8 @@ def build_tiny_vlm(family: str, path: Path, dtype: torch.dtype = torch.float32, 
 
 def reference_logits(t: TinyVLM, ids: list[int], images: list[ImageInput]) -> torch.Tensor:
     """transformers' full-sequence forward over the same ids and preprocessed images: [T, V]."""
-    kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids]), "use_cache": False}
-    if images:
-        if t.family == "idefics3":
-            kwargs["pixel_values"] = torch.cat([im.tensors["pixel_values"] for im in images], dim=1)
-            kwargs["pixel_attention_mask"] = torch.cat([im.tensors["pixel_attention_mask"] for im in images], dim=1)
-        elif t.family == "llava":
-            kwargs["pixel_values"] = torch.cat([im.tensors["pixel_values"] for im in images])
-        else:
-            kwargs["pixel_values"] = torch.cat([im.tensors["pixel_values"] for im in images])
-            kwargs["image_grid_thw"] = torch.cat([im.tensors["image_grid_thw"] for im in images])
-            kwargs["mm_token_type_ids"] = (kwargs["input_ids"] == t.config.vision.image_token_id).int()  # type: ignore[union-attr]
     with torch.no_grad():
-        return t.ref(**kwargs).logits[0].float()
+        return t.ref(**reference_inputs(t, ids, images), use_cache=False).logits[0].float()
 
 
 def run_chunks(
@@ -223,3 +212,31 @@ def run_chunks(
 def vlm_runner(t: TinyVLM) -> tuple[ModelRunner, BlockPool]:
     runner = make_runner(t.config, t.model)
     return runner, BlockPool(runner.kv_cache.num_pages)
+
+
+def reference_inputs(t: TinyVLM, ids: list[int], images: list[ImageInput]) -> dict[str, Any]:
+    """transformers' forward / generate arguments for these ids and preprocessed images."""
+    kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids])}
+    if not images:
+        return kwargs
+    if t.family == "idefics3":
+        kwargs["pixel_values"] = torch.cat([im.tensors["pixel_values"] for im in images], dim=1)
+        kwargs["pixel_attention_mask"] = torch.cat([im.tensors["pixel_attention_mask"] for im in images], dim=1)
+    elif t.family == "llava":
+        kwargs["pixel_values"] = torch.cat([im.tensors["pixel_values"] for im in images])
+    else:
+        assert t.config.vision is not None
+        kwargs["pixel_values"] = torch.cat([im.tensors["pixel_values"] for im in images])
+        kwargs["image_grid_thw"] = torch.cat([im.tensors["image_grid_thw"] for im in images])
+        kwargs["mm_token_type_ids"] = (kwargs["input_ids"] == t.config.vision.image_token_id).int()
+    return kwargs
+
+
+def reference_greedy(t: TinyVLM, ids: list[int], images: list[ImageInput], n: int) -> list[int]:
+    """transformers' greedy `generate` of n tokens (end-of-sequence ignored)."""
+    t.ref.generation_config.eos_token_id = None
+    t.ref.generation_config.pad_token_id = 0
+    kwargs = reference_inputs(t, ids, images)
+    with torch.no_grad():
+        out = t.ref.generate(**kwargs, do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    return [int(x) for x in out[0, len(ids) :]]
