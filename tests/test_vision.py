@@ -32,7 +32,7 @@ from tests.vision_models import (
     vlm_runner,
 )
 
-FAMILIES = ("idefics3", "llava", "qwen3_vl")
+FAMILIES = ("idefics3", "smolvlm", "llava", "llava_siglip", "qwen3_vl")
 THRESHOLD = 1e-4
 _one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 

@@ -36,10 +36,16 @@ CHAT_TEMPLATE = (
 )
 SPECIAL = {
     "idefics3": ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"],
+    "smolvlm": ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"],
     "llava": ["<image>"],
+    "llava_siglip": ["<image>"],
     "qwen3_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
 }
-MARKERS = {"idefics3": "<image>", "llava": "<image>", "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+MARKERS = {f: "<image>" for f in ("idefics3", "smolvlm", "llava", "llava_siglip")} | {
+    "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"
+}
+# Families whose transformers processor is saved (the others: image processor and tokenizer).
+WITH_PROCESSOR = ("idefics3", "llava", "llava_siglip")
 
 
 def tiny_tokenizer(family: str) -> Any:
@@ -101,6 +107,40 @@ def build_checkpoint(family: str, path: Path, seed: int = 0, **text: Any) -> Any
             size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True
         )
         Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=4).save_pretrained(path)
+    elif family == "smolvlm":  # its processor needs torchvision and num2words: saved without it
+        from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessorPil
+
+        cfg = SmolVLMConfig(
+            text_config=dict(model_type="llama", vocab_size=V, **(TEXT_SMALL | text)),
+            vision_config=dict(
+                hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                patch_size=8,
+            ),
+            scale_factor=2, image_token_id=_ids(tok, "<image>")[0],
+        )  # fmt: skip
+        ref = SmolVLMForConditionalGeneration(cfg)
+        SmolVLMImageProcessorPil(
+            size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True
+        ).save_pretrained(path)
+        tok.save_pretrained(path)
+    elif family == "llava_siglip":  # a SigLIP tower (no CLS token: every patch), a Qwen2 decoder
+        from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, SiglipImageProcessorPil
+
+        cfg = LlavaConfig(
+            text_config=dict(model_type="qwen2", vocab_size=V, **(TEXT_SMALL | text)),
+            vision_config=dict(
+                model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                num_attention_heads=2, image_size=28, patch_size=7,
+            ),
+            image_token_id=_ids(tok, "<image>")[0], vision_feature_layer=-1, vision_feature_select_strategy="full",
+            multimodal_projector_bias=True, tie_word_embeddings=True,
+        )  # fmt: skip
+        ref = LlavaForConditionalGeneration(cfg)
+        ip = SiglipImageProcessorPil(size={"height": 28, "width": 28})
+        LlavaProcessor(
+            image_processor=ip, tokenizer=tok, patch_size=7, vision_feature_select_strategy="full",
+            num_additional_image_tokens=0,
+        ).save_pretrained(path)  # fmt: skip
     elif family == "llava":
         from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
@@ -146,7 +186,7 @@ def build_checkpoint(family: str, path: Path, seed: int = 0, **text: Any) -> Any
     ref = ref.eval()
     _randomize_norms_and_biases(ref)
     ref.save_pretrained(path)
-    if family != "qwen3_vl":
+    if family in WITH_PROCESSOR:
         AutoProcessor.from_pretrained(path)  # loads back
     return ref
 
@@ -219,10 +259,10 @@ def reference_inputs(t: TinyVLM, ids: list[int], images: list[ImageInput]) -> di
     kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids])}
     if not images:
         return kwargs
-    if t.family == "idefics3":
+    if t.family in ("idefics3", "smolvlm"):
         kwargs["pixel_values"] = torch.cat([im.tensors["pixel_values"] for im in images], dim=1)
         kwargs["pixel_attention_mask"] = torch.cat([im.tensors["pixel_attention_mask"] for im in images], dim=1)
-    elif t.family == "llava":
+    elif t.family in ("llava", "llava_siglip"):
         kwargs["pixel_values"] = torch.cat([im.tensors["pixel_values"] for im in images])
     else:
         assert t.config.vision is not None

@@ -3,11 +3,13 @@ Pillow backend) and how its prompts spell an image's placeholder run.
 
 Each image becomes its placeholder ids (the run of image tokens and whatever the family puts
 around them) and an `ImageInput` (the processor's tensors, their content hash, the token count,
-and the M-RoPE grid). Idefics3/SmolVLM and Llava expand through the checkpoint's transformers
-processor, one image at a time (their expansions start and end with special tokens, so splicing
-them between text tokenized alone changes no id). Qwen3-VL's processor cannot be built without
-torchvision (its video processor needs it), so its image processor runs alone and the run is
-`<|vision_start|>` + `<|image_pad|>` x (grid / merge^2) + `<|vision_end|>`, as its processor writes.
+and the M-RoPE grid). Idefics3 and Llava expand through the checkpoint's transformers processor,
+one image at a time (their expansions start and end with special tokens, so splicing them
+between text tokenized alone changes no id). Processors that bundle a video processor cannot be
+built without torchvision (SmolVLM's also wants `num2words`); for those the image processor runs
+alone and the run is written as the processor writes it: SmolVLM's by transformers' own
+`get_image_prompt_string` over the image processor's tile rows and columns, Qwen3-VL's as
+`<|vision_start|>` + `<|image_pad|>` x (grid / merge^2) + `<|vision_end|>`.
 
 transformers picks torchvision-backed image processors when torchvision imports; the torchvision
 wheel for our torch does not import here, and the Pillow backends need nothing else.
@@ -56,10 +58,17 @@ class ImageProcessor:
         self.processor = processor
         self.image_processor = image_processor
         self.tokenizer = tokenizer
+        self.image_seq_len = 0  # SmolVLM without its processor: image tokens per tile
         if vision.family == "qwen3_vl":
             self.marker = QWEN_MARKER
             ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
             self.wrap: tuple[int, int] = (int(ids[0]), int(ids[1]))
+        elif processor is None:  # SmolVLM's tokens, as its processor names them
+            self.marker = str(getattr(tokenizer, "image_token", "<image>"))
+            raw = vision.raw
+            v = raw.get("vision_config") or {}
+            per_side = int(v.get("image_size", 512)) // int(v.get("patch_size", 16))
+            self.image_seq_len = int(per_side**2 / int(raw.get("scale_factor", 1)) ** 2)
         else:
             self.marker = str(processor.image_token)
 
@@ -68,16 +77,23 @@ class ImageProcessor:
         """The processor saved with the checkpoint in `directory`."""
         from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
-        if vision.family == "qwen3_vl":
-            image_processor = AutoImageProcessor.from_pretrained(str(directory), backend="pil")
-            return cls(vision, None, image_processor, AutoTokenizer.from_pretrained(str(directory)))
-        processor = AutoProcessor.from_pretrained(str(directory), backend="pil")
-        return cls(vision, processor, processor.image_processor, processor.tokenizer)
+        if vision.family != "qwen3_vl":
+            try:
+                processor = AutoProcessor.from_pretrained(str(directory), backend="pil")
+            except (ImportError, TypeError, AttributeError, ValueError, OSError):
+                if vision.architecture != "SmolVLMForConditionalGeneration":
+                    raise
+            else:
+                return cls(vision, processor, processor.image_processor, processor.tokenizer)
+        image_processor = AutoImageProcessor.from_pretrained(str(directory), backend="pil")
+        return cls(vision, None, image_processor, AutoTokenizer.from_pretrained(str(directory)))
 
     def image(self, image: Any) -> tuple[list[int], ImageInput]:
         """One image (bytes, path or Pillow image): its placeholder ids and its `ImageInput`."""
         picture = open_image(image)
         token = self.vision.image_token_id
+        if self.processor is None and self.vision.family == "idefics3":
+            return self._smolvlm(picture)
         if self.processor is None:  # Qwen3-VL: the image processor alone, the run written here
             out = self.image_processor(images=[picture], return_tensors="pt")
             tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
@@ -92,6 +108,22 @@ class ImageProcessor:
             k: v for k, v in out.items() if isinstance(v, torch.Tensor) and k not in ("input_ids", "attention_mask")
         }
         n = sum(1 for i in ids if i == token)
+        return ids, ImageInput(content_hash(tensors), tensors, n)
+
+    def _smolvlm(self, picture: Any) -> tuple[list[int], ImageInput]:
+        """SmolVLM's image processor alone; the run from transformers' `get_image_prompt_string`."""
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+        out = self.image_processor(images=[[picture]], return_tensors="pt", return_row_col_info=True)
+        tok = self.tokenizer
+        text = get_image_prompt_string(
+            int(out["rows"][0][0]), int(out["cols"][0][0]), self.image_seq_len,
+            fake_token_around_image=str(getattr(tok, "fake_image_token", "<fake_token_around_image>")),
+            image_token=self.marker, global_image_token=str(getattr(tok, "global_image_token", "<global-img>")),
+        )  # fmt: skip
+        ids = [int(i) for i in tok.encode(text, add_special_tokens=False)]
+        tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+        n = sum(1 for i in ids if i == self.vision.image_token_id)
         return ids, ImageInput(content_hash(tensors), tensors, n)
 
     def prompt(
