@@ -260,3 +260,30 @@ def test_image_files() -> None:
     assert open_image(data["PNG"]).tobytes() == pic.tobytes()
     with pytest.raises(BadImage):
         open_image(b"not an image")
+
+
+def test_preempted_request_recomputes_its_images_without_re_encoding(tiny: TinyVLM) -> None:
+    """A pool too small for two image requests to decode side by side: the newer one is preempted
+    and recomputed from its tokens; its image comes back from the encoder cache, and both answers
+    equal transformers'."""
+    if tiny.family not in ("idefics3", "qwen3_vl"):
+        pytest.skip("one family with 1-D positions, one with M-RoPE")
+    ids_a, images_a = tiny.prompt(*prompts(tiny)["one image"])
+    ids_b, images_b = tiny.prompt(prompts(tiny)["one image"][0], [image(9)])
+    n = 24
+    pages = -(-(len(ids_a) + n) // 16) + -(-(len(ids_b) + n) // 16) - 2
+    mc = tiny.config
+    spec = KVSpec(mc.num_layers, tiny.model.local_kv_heads, mc.head_dim, 16, "float32")
+    config = EngineConfig(
+        kv_cache_bytes=pages * spec.bytes_per_page, attention_backend="torch_paged", max_num_batched_tokens=256,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    engine = Engine(tiny.model, None, config)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    handles = [engine.add_request(ids_a, params, images=images_a), engine.add_request(ids_b, params, images=images_b)]
+    engine.run_until_idle()
+    got = [[t for o in h for t in o.token_ids] for h in handles]
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.images is not None and engine.images.num_encoded == 2
+    assert got[0] == reference_greedy(tiny, ids_a, images_a, n)
+    assert got[1] == reference_greedy(tiny, ids_b, images_b, n)
