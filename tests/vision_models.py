@@ -185,6 +185,10 @@ def build_checkpoint(family: str, path: Path, seed: int = 0, **text: Any) -> Any
         raise ValueError(family)
     ref = ref.eval()
     _randomize_norms_and_biases(ref)
+    with torch.no_grad():  # the vision side's norms too (layer_norm1, post_layernorm, norm1, ln_q, ...)
+        for name, p in ref.named_parameters():
+            if p.dim() == 1 and name.endswith(".weight") and ("norm" in name or ".ln_" in name):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
     ref.save_pretrained(path)
     if family in WITH_PROCESSOR:
         AutoProcessor.from_pretrained(path)  # loads back
