@@ -259,21 +259,15 @@ def vlm_runner(t: TinyVLM) -> tuple[ModelRunner, BlockPool]:
 
 
 def reference_inputs(t: TinyVLM, ids: list[int], images: list[ImageInput]) -> dict[str, Any]:
-    """transformers' forward / generate arguments for these ids and preprocessed images."""
-    kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids])}
+    """transformers' forward / generate arguments for these ids and preprocessed images (the
+    doctor's vision stage builds them the same way)."""
+    from api.doctor.vision_stage import reference_kwargs
+
+    vision = t.config.vision
+    assert vision is not None
     if not images:
-        return kwargs
-    if t.family in ("idefics3", "smolvlm"):
-        kwargs["pixel_values"] = torch.cat([im.tensors["pixel_values"] for im in images], dim=1)
-        kwargs["pixel_attention_mask"] = torch.cat([im.tensors["pixel_attention_mask"] for im in images], dim=1)
-    elif t.family in ("llava", "llava_siglip"):
-        kwargs["pixel_values"] = torch.cat([im.tensors["pixel_values"] for im in images])
-    else:
-        assert t.config.vision is not None
-        kwargs["pixel_values"] = torch.cat([im.tensors["pixel_values"] for im in images])
-        kwargs["image_grid_thw"] = torch.cat([im.tensors["image_grid_thw"] for im in images])
-        kwargs["mm_token_type_ids"] = (kwargs["input_ids"] == t.config.vision.image_token_id).int()
-    return kwargs
+        return {"input_ids": torch.tensor([ids])}
+    return reference_kwargs(vision.family, ids, images, vision.image_token_id)
 
 
 def reference_greedy(t: TinyVLM, ids: list[int], images: list[ImageInput], n: int) -> list[int]:
