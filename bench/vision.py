@@ -57,7 +57,7 @@ def measure(path: Path, dtype: str, repeats: int) -> dict[str, Any]:
     processor = ImageProcessor.load(path, vision)
     pictures = test_images()
     m = processor.marker
-    _, inputs = processor.prompt(m, pictures)
+    _, inputs = processor.prompt(m * len(pictures), pictures)
     encode = []
     with torch.inference_mode():
         loaded.model.vision(inputs[0].tensors)  # warm-up
