@@ -105,6 +105,30 @@ def _prompt(args: argparse.Namespace, tok: Any, vocab_size: int, params: Any) ->
     return prompt_ids, params, structured
 
 
+def _image_prompt(args: argparse.Namespace, loaded: Any) -> tuple[list[int], list[Any]]:
+    """`--image` files with `--prompt`: the prompt ids with each image's placeholder run (where the
+    prompt writes the model's image marker, else before the text; with `--chat`, as the chat
+    template places image parts) and the images' preprocessed inputs."""
+    from engine.loading.images import ImageProcessor
+
+    vision = loaded.config.vision
+    if vision is None:
+        raise ValueError(f"--image: the model {loaded.source.name} ({loaded.config.architecture}) takes no image input")
+    if args.tools is not None or args.json_schema is not None:
+        raise ValueError("--image: not with --tools or --json-schema")
+    processor = ImageProcessor.load(loaded.source.path, vision)
+    images = []
+    for path in args.image:
+        try:
+            images.append(path.read_bytes())
+        except OSError as e:
+            raise ValueError(f"--image {path}: cannot read the file ({e.strerror or e})") from None
+    if args.chat:
+        text = processor.chat_text(loaded.tokenizer.hf, args.prompt, len(images))
+        return processor.prompt(text, images, add_special_tokens=False)
+    return processor.prompt(args.prompt, images)
+
+
 def _stream(handle: Any, structured: Any) -> int:
     """Write a request's text to stdout as it comes; returns the tokens generated."""
     log = logging.getLogger("longctx.generate")
@@ -140,12 +164,17 @@ def _generate(args: argparse.Namespace) -> int:
         loaded = client.wait_phase("loaded")
         client.tokenizer = tok = loaded.tokenizer
         prompt_ids, params, structured = _prompt(args, tok, loaded.config.vocab_size, _params(args))
+        images = None
+        if args.image:
+            prompt_ids, images = _image_prompt(args, loaded)
         config = spec.config
         buckets = _buckets(config.max_num_batched_tokens, len(prompt_ids)) if config.compile else []
         client.build(config.kv_redis_url, config.kv_redis_prefix, config.enable_prefix_caching, buckets)
         client.wait_phase("compiled")
         t0 = time.perf_counter()
-        handle = client.add_request(prompt_ids, params, matcher=structured.matcher if structured else None)
+        handle = client.add_request(
+            prompt_ids, params, matcher=structured.matcher if structured else None, images=images
+        )
         n = _stream(handle, structured)
     finally:
         client.shutdown()
@@ -192,6 +221,9 @@ def _generate_in_process(args: argparse.Namespace) -> int:
         return 0
     tok = loaded.tokenizer
     prompt_ids, params, structured = _prompt(args, tok, loaded.config.vocab_size, _params(args))
+    images = None
+    if args.image:
+        prompt_ids, images = _image_prompt(args, loaded)
     runner = None
     if watchdog is not None:
         from engine.distributed_runner import DistributedRunner
@@ -202,7 +234,7 @@ def _generate_in_process(args: argparse.Namespace) -> int:
     engine = Engine(loaded.model, tok, config, parallel=parallel, fingerprint=loaded.stats.fingerprint, runner=runner)
     _check_buckets(engine, len(prompt_ids))
     t0 = time.perf_counter()
-    handle = engine.add_request(prompt_ids, params, matcher=structured.matcher if structured else None)
+    handle = engine.add_request(prompt_ids, params, matcher=structured.matcher if structured else None, images=images)
     with engine:
         n = _stream(handle, structured)
     if runner is not None and watchdog is not None:
@@ -312,6 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", nargs="+", default=None, help="stop strings (never printed)")
+    gen.add_argument(
+        "--image", type=Path, action="append", default=None,
+        help="an image file for a vision-language model (repeat for more, in order); it goes where the prompt "
+        "has the model's image marker (e.g. <image>), else before the text",
+    )  # fmt: skip
     cli_tools.add_arguments(gen)
     gen.set_defaults(func=_generate)
 

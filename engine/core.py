@@ -30,6 +30,7 @@ from engine.kv_tiers import build_tiers, kv_namespace, kv_stats, reclaim_window
 from engine.loading.tokenizer import Tokenizer
 from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
+from engine.model.vision.step import ChunkImages
 from engine.model_runner import Chunk, ModelRunner
 from engine.request import (
     ConsumerGone,
@@ -41,6 +42,8 @@ from engine.sampling.grammar import GrammarHook
 from engine.sampling.output_processor import OutputProcessor
 from engine.sampling.sampler import Sampler
 from engine.scheduling.admission import Admission
+from engine.scheduling.encoder_cache import EncoderCache
+from engine.scheduling.images import ImageFeeder
 from engine.scheduling.prefill_rate import PrefillRate
 from engine.scheduling.scheduler import ScheduledChunk, Scheduler
 from engine.snapshot import EngineSnapshot
@@ -112,6 +115,11 @@ class EngineCore:
             recompute_s=self.prefill_rate.seconds,
             window=self.reclaim_window,
         )
+        # A vision-language model's images: encoded once each, kept by content hash.
+        self.images: ImageFeeder | None = None
+        if model.vision is not None:
+            device = model.model.norm.weight.device
+            self.images = ImageFeeder(model.vision, EncoderCache(config.encoder_cache_bytes), device)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -180,14 +188,23 @@ class EngineCore:
             self._publish()
             return False
         self._note_scheduled(chunks)
+        inputs = self._image_inputs(chunks)
+        chunks = [c for c in chunks if not c.request.finished]  # a request whose image failed has ended
+        if not chunks:
+            self._publish()
+            return True
         try:
-            logits = self._run(chunks)
+            logits = self._run(chunks, inputs)
         except Exception as e:  # a fault of the model itself: nothing of this step can be trusted
             log.exception("forward pass failed")
             self._fail_all(f"engine error in the forward pass: {e}")
             self._publish()
             return True
         self.scheduler.computed([c.request for c in chunks])
+        if self.images is not None:
+            for c in chunks:
+                if c.request.images is not None:
+                    self.images.computed(c.request, c.request.images, c.request.num_computed)
         rows = [i for i, c in enumerate(chunks) if c.sample]
         reqs = [chunks[i].request for i in rows]
         outs = self.output_processor(reqs, logits[rows]) if rows else []
@@ -207,12 +224,33 @@ class EngineCore:
                 r.first_scheduled_time = now
                 self.stats.queue_time.observe(now - r.arrival)
 
-    def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def _image_inputs(self, chunks: list[ScheduledChunk]) -> dict[Request, ChunkImages]:
+        """Each chunk's image features (encoded now if not cached) and M-RoPE positions; a request
+        whose image cannot be encoded ends with an error, the others go on."""
+        inputs: dict[Request, ChunkImages] = {}
+        if self.images is None:
+            return inputs
+        for c in chunks:
+            r = c.request
+            if r.images is None:
+                continue
+            try:
+                got = self.images.chunk(r, r.images, r.num_computed, r.num_computed + c.num_tokens)
+            except Exception as e:
+                log.exception("request %s: encoding its images failed", r.id)
+                self._fail(r, f"encoding the request's images failed: {e}")
+                continue
+            if got is not None:
+                inputs[r] = got
+        return inputs
+
+    def _run(self, chunks: list[ScheduledChunk], inputs: dict[Request, ChunkImages] | None = None) -> torch.Tensor:
         batch = []
         for c in chunks:
             r = c.request
             end = r.num_computed + c.num_tokens
-            batch.append(Chunk(r.tokens(r.num_computed, end), r.pages.live(), end, r.pages.first))
+            images = inputs.get(r) if inputs else None
+            batch.append(Chunk(r.tokens(r.num_computed, end), r.pages.live(), end, r.pages.first, images))
             if r.num_computed < len(r.prompt_ids):
                 self.stats.prompt_tokens_computed += min(end, len(r.prompt_ids)) - r.num_computed
         t0 = time.perf_counter()
@@ -244,6 +282,8 @@ class EngineCore:
         self.stats.count_finished(reason.value)
         self.stats.e2e.observe(time.monotonic() - r.arrival)
         self.scheduler.finish(r)
+        if self.images is not None and r.images is not None:
+            self.images.finish(r, r.images)
 
     def _end(self, r: Request, reason: FinishReason, error: str | None = None) -> None:
         """Finish a request with a final output carrying no token."""

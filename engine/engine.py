@@ -17,6 +17,7 @@ from typing import cast
 
 from engine.core import EngineCore
 from engine.engine_config import EngineConfig
+from engine.model.vision.inputs import ImageInput
 from engine.request import (
     FinishReason,
     Request,
@@ -24,6 +25,7 @@ from engine.request import (
 )
 from engine.sampling.grammar import Matcher
 from engine.sampling_params import SamplingParams
+from engine.scheduling.images import RequestImages
 from engine.surface import Generates
 from kvstore.prefix import max_cached_pages, page_hashes
 
@@ -44,16 +46,22 @@ class Engine(EngineCore, Generates):
         cache_salt: str = "",
         matcher: Matcher | None = None,
         handle: RequestHandle | None = None,
+        images: list[ImageInput] | None = None,
     ) -> RequestHandle:
         """Queue a request; raises ContextTooLong (or ValueError) at once if it can never run,
         EngineOverloaded past `max_queued`, EngineClosed after `shutdown()`. `handle`: where its
-        outputs go (the engine process's handles send them on; its id must be `request_id`)."""
+        outputs go (the engine process's handles send them on; its id must be `request_id`).
+        `images`: a vision-language model's images, in the order of their placeholder runs in
+        the prompt (`engine/loading/images.py` makes both)."""
         params = params or SamplingParams()
         self.admission.check(prompt_token_ids, params)
+        request_images = self.request_images(prompt_token_ids, images)
         self.admission.enter()
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         handle = handle or RequestHandle(rid, self.abort)
-        req = Request(rid, list(prompt_token_ids), params, handle, cache_salt=cache_salt, matcher=matcher)
+        req = Request(
+            rid, list(prompt_token_ids), params, handle, cache_salt=cache_salt, matcher=matcher, images=request_images
+        )
         if self.tokenizer is not None:
             from engine.sampling.detokenizer import IncrementalDetokenizer, StopChecker
 
@@ -63,6 +71,20 @@ class Engine(EngineCore, Generates):
         self._wake.set()
         return handle
 
+    def request_images(self, prompt_token_ids: list[int], images: list[ImageInput] | None) -> RequestImages | None:
+        """The images' placeholders in the prompt, checked (ValueError naming `images`); None for
+        a request without images on a model whose prompts cannot hold any."""
+        vision = self.model_config.vision
+        if vision is None:
+            if images:
+                raise ValueError(f"images: the model ({self.model_config.architecture}) takes no image input")
+            return None
+        if not images and vision.image_token_id not in prompt_token_ids:
+            return None
+        return RequestImages.build(
+            prompt_token_ids, list(images or ()), vision.image_token_id, bool(self.model_config.rope.mrope_section)
+        )
+
     def abort(self, request_id: str) -> None:
         """Stop a request; safe from any thread and from async code (never blocks)."""
         self._inbox.put(("abort", request_id))
@@ -70,7 +92,13 @@ class Engine(EngineCore, Generates):
 
     # ---- the loop (engine thread) ----
 
-    def cached_prefix_tokens(self, prompt_token_ids: list[int], cache_salt: str = "", timeout_s: float = 5.0) -> int:
+    def cached_prefix_tokens(
+        self,
+        prompt_token_ids: list[int],
+        cache_salt: str = "",
+        timeout_s: float = 5.0,
+        images: list[ImageInput] | None = None,
+    ) -> int:
         """How many leading tokens of this prompt would be served from the device pool, the host
         tier or Redis rather than computed, without submitting it (an estimate: pages can come
         and go before a request is admitted).
@@ -85,7 +113,9 @@ class Engine(EngineCore, Generates):
             return 0
         ps = self.kv_spec.page_size
         limit = max_cached_pages(len(prompt_token_ids), ps)
-        hashes = page_hashes(prompt_token_ids[: limit * ps], ps, self.namespace.salted(cache_salt))
+        placed = self.request_images(prompt_token_ids, images)
+        extra = None if placed is None else lambda page: placed.page_extra(page, ps)
+        hashes = page_hashes(prompt_token_ids[: limit * ps], ps, self.namespace.salted(cache_salt), extra)
         if self._thread is not None and self._thread.is_alive():
             answer: Future[int] = Future()
             self._inbox.put(("query", (hashes, answer)))

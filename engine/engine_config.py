@@ -25,6 +25,7 @@ class EngineConfig:
     max_prefill_tokens_per_request: int | None = None  # a chunk's cap while others wait (None: budget/2)
     max_queued: int = 256  # requests added and not yet running; past it add_request raises EngineOverloaded
     compile: bool = False  # the compiled step (`engine/model/compiled.py`) for steps of <= 64 tokens
+    encoder_cache_bytes: int = 256 << 20  # encoded images kept for reuse (vision-language models)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -39,6 +40,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_prefill_tokens_per_request must be >= 1 (or None), got {self.max_prefill_tokens_per_request}"
             )
+        if self.encoder_cache_bytes < 0:
+            raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes}")
         if self.max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {self.max_queued}")
         if self.host_cache_bytes < 0 or self.kv_redis_ttl < 1:

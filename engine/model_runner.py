@@ -12,6 +12,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.registry import make_backend
 from engine.loading.model_source import longctx_home
 from engine.model.model import CausalLM
+from engine.model.vision.step import ChunkImages, gather_step
 from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
 
@@ -34,6 +35,7 @@ class Chunk:
     page_table: list[int] | torch.Tensor
     kv_len: int
     first_page: int = 0
+    images: ChunkImages | None = None  # image features and M-RoPE positions of its tokens
 
 
 class ModelRunner:
@@ -79,7 +81,13 @@ class ModelRunner:
         last_only = not all_logits and meta.num_tokens > len(chunks)
         logits_indices = meta.qo_indptr[1:].to(torch.int64) - 1 if last_only else None
         self.backend.plan(meta)
-        logits = self.step(ids, meta, self.kv_cache.layers, self.backend, logits_indices)
+        if any(c.images is not None for c in chunks):
+            offsets = meta.qo_indptr.tolist()
+            parts = [(offsets[i], len(c.token_ids), c.images) for i, c in enumerate(chunks)]
+            images = gather_step(parts, meta.positions, self.device)
+            logits = self.step(ids, meta, self.kv_cache.layers, self.backend, logits_indices, images)
+        else:
+            logits = self.step(ids, meta, self.kv_cache.layers, self.backend, logits_indices)
         self.num_forward_calls += 1
         self.num_tokens_computed += meta.num_tokens
         decodes = sum(1 for q in meta.q_lens if q == 1)

@@ -21,6 +21,7 @@ from engine.scheduling.page_table import PageTable
 
 if TYPE_CHECKING:
     from engine.sampling.grammar import Matcher
+    from engine.scheduling.images import RequestImages
 
 
 class ContextTooLong(ValueError):
@@ -204,6 +205,7 @@ class Request:
     handle: RequestHandle
     cache_salt: str = ""
     matcher: Matcher | None = None
+    images: RequestImages | None = None  # a vision-language model's images and their placeholders
     output_ids: list[int] = field(default_factory=list)
     pages: PageTable = field(default_factory=PageTable)
     num_computed: int = 0

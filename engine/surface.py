@@ -26,6 +26,7 @@ class EngineSurface(Protocol):
         request_id: str | None = None,
         cache_salt: str = "",
         matcher: Any = None,
+        images: list[Any] | None = None,
     ) -> RequestHandle: ...
 
     def kv_commit_wait(self, timeout_s: float) -> bool: ...
@@ -44,11 +45,13 @@ class Generates:
         request_id: str | None = None,
         cache_salt: str = "",
         matcher: Any = None,
+        images: list[Any] | None = None,
     ) -> AsyncIterator[RequestHandle]:
         """`async with engine.generate(ids, params) as handle:`; leaving the block before the
-        final output (an exception, a cancelled task, a client gone) aborts the request."""
+        final output (an exception, a cancelled task, a client gone) aborts the request.
+        `images`: `ImageInput`s for a vision-language model's placeholders."""
         handle = self.add_request(
-            prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, matcher=matcher
+            prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, matcher=matcher, images=images
         )
         async with handle:
             yield handle

@@ -67,26 +67,42 @@ class Namespace:
         return hashlib.blake2b(self.digest + cache_salt.encode(), digest_size=16).digest()
 
 
-def hash_page(parent: bytes, token_ids: list[int], namespace: bytes) -> bytes:
-    """blake2b-128(parent hash, token ids as int32 little-endian, namespace digest)."""
+def hash_page(parent: bytes, token_ids: list[int], namespace: bytes, extra: bytes = b"") -> bytes:
+    """blake2b-128(parent hash, token ids as int32 little-endian, namespace digest, extra).
+
+    `extra`: what else the page's KV depends on (the content hashes of the images whose
+    placeholder tokens it holds, M-RoPE positions); empty for a text page, whose hash is then
+    unchanged."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent)
     h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
     h.update(namespace)
+    if extra:
+        h.update(extra)
     return h.digest()
 
 
-def extend_hashes(hashes: list[bytes], token_ids: list[int], page_size: int, namespace: bytes) -> list[bytes]:
-    """Append the hashes of every full page of `token_ids` not yet in `hashes` (in place)."""
+def extend_hashes(
+    hashes: list[bytes],
+    token_ids: list[int],
+    page_size: int,
+    namespace: bytes,
+    extra: Callable[[int], bytes] | None = None,
+) -> list[bytes]:
+    """Append the hashes of every full page of `token_ids` not yet in `hashes` (in place);
+    `extra(page)`: what page `page` mixes in besides its tokens (`hash_page`)."""
     for i in range(len(hashes), len(token_ids) // page_size):
         parent = hashes[i - 1] if i else ROOT
-        hashes.append(hash_page(parent, token_ids[i * page_size : (i + 1) * page_size], namespace))
+        more = extra(i) if extra is not None else b""
+        hashes.append(hash_page(parent, token_ids[i * page_size : (i + 1) * page_size], namespace, more))
     return hashes
 
 
-def page_hashes(token_ids: list[int], page_size: int, namespace: bytes) -> list[bytes]:
+def page_hashes(
+    token_ids: list[int], page_size: int, namespace: bytes, extra: Callable[[int], bytes] | None = None
+) -> list[bytes]:
     """Hashes of the full pages of `token_ids`, first page first."""
-    return extend_hashes([], token_ids, page_size, namespace)
+    return extend_hashes([], token_ids, page_size, namespace, extra)
 
 
 def max_cached_pages(num_tokens: int, page_size: int) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 from api.doctor.report import StageResult
 from engine.loading.model_source import ModelPath
 from engine.model.config import ModelConfig
+from engine.model.vision.config import VISION_ARCHITECTURES
 
 # config.json fields `ModelConfig.from_hf` reads.
 READ_FIELDS = {
@@ -32,6 +33,14 @@ HARMLESS_FIELDS = {
     "pad_token_id", "problem_type", "return_dict", "router_aux_loss_coef", "router_jitter_noise",
     "transformers_version", "use_cache", "tokenizer_class", "tie_encoder_decoder", "torchscript",
     "use_bfloat16", "unsloth_version", "finetuning_task", "task_specific_params", "prefix", "sep_token_id",
+}  # fmt: skip
+# A vision-language checkpoint's top-level fields its vision side reads (the tower and connector
+# are built by transformers from the whole config; `engine/model/vision/config.py`), or that only
+# name tokens and video inputs this build does not take. Its `text_config` is checked as above.
+VISION_FIELDS = {
+    "text_config", "vision_config", "image_token_id", "image_token_index", "scale_factor", "vision_feature_layer",
+    "vision_feature_select_strategy", "projector_hidden_act", "multimodal_projector_bias", "image_seq_length",
+    "video_token_id", "vision_start_token_id", "vision_end_token_id", "_pad_token_id", "vocab_size",
 }  # fmt: skip
 GGUF_HARMLESS_PREFIXES = ("general.", "tokenizer.", "quantize.", "split.")
 # GGUF keys that repeat what is read elsewhere (the vocabulary size is the token embedding's rows).
@@ -71,7 +80,13 @@ def ignored_fields(source: ModelPath, reader_keys: set[str] | None, arch_prefix:
         return sorted(k for k in keys if k.startswith(arch_prefix) and k not in reader_keys
                       and not k.startswith(harmless) and not k.endswith(GGUF_REDUNDANT_SUFFIXES))  # fmt: skip
     raw: dict[str, Any] = json.loads((source.path / "config.json").read_text())
-    return sorted(k for k in raw if k not in READ_FIELDS and k not in HARMLESS_FIELDS)
+    known = READ_FIELDS | HARMLESS_FIELDS
+    if (raw.get("architectures") or [""])[0] in VISION_ARCHITECTURES:
+        text = raw.get("text_config") or {}
+        ignored = [k for k in raw if k not in known and k not in VISION_FIELDS]
+        ignored += [f"text_config.{k}" for k in text if k not in known and k not in ("mrope_section", "_pad_token_id")]
+        return sorted(ignored)
+    return sorted(k for k in raw if k not in known)
 
 
 def config_stage(source: ModelPath, config: ModelConfig, st: StageResult, ignored: list[str]) -> None:

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STAGES = (
-    "config", "weights", "reference", "serving", "activations", "generation", "length", "parallel", "quantization",
+    "config", "weights", "reference", "vision", "serving", "activations", "generation", "length", "parallel",
+    "quantization",
 )  # fmt: skip
 
 

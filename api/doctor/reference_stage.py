@@ -86,6 +86,9 @@ def reference_stage(ctx: DoctorContext, st: StageResult) -> None:
     if opts.reference == "none":
         _skip(ctx, st, "--reference none")
         return
+    if ctx.loaded.config.vision is not None:
+        _skip(ctx, st, "a vision-language checkpoint: the vision stage compares it with transformers")
+        return
     if opts.device != "cpu":
         st.note("transformers runs on the CPU; our model on " + opts.device)
     hf = ctx.reference_model

@@ -78,11 +78,13 @@ def run_stages(
     from api.doctor.parallel_stage import parallel_stage
     from api.doctor.quantization_stage import quantization_stage
     from api.doctor.serving_stage import serving_stage
+    from api.doctor.vision_stage import vision_stage
 
     report = report or Report(loaded.source.name)
     ctx = DoctorContext(loaded, options, reference_model, served)
     stages: dict[str, Callable[[DoctorContext, StageResult], None]] = {
         "reference": _reference,
+        "vision": vision_stage,
         "serving": serving_stage,
         "activations": activations_stage,
         "generation": generation_stage,

@@ -127,6 +127,10 @@ def build_empty(
         model = CausalLM(config, parallel)
     _materialize_empty(model, dtype, torch.device(device))
     model.init_buffers()
+    if config.vision is not None:  # transformers' modules, built in place (their buffers computed)
+        from engine.model.vision.encoder import build_encoder
+
+        model.vision = build_encoder(config.vision, dtype, device)
     return model
 
 
@@ -200,7 +204,7 @@ def load_weights(
             bar.update(t.nbytes)
             continue
         if target is None:
-            if t.name.endswith(IGNORED_SUFFIXES) or (tied and t.name == "lm_head.weight"):
+            if t.name.endswith(IGNORED_SUFFIXES) or (tied and t.name.endswith("lm_head.weight")):
                 bar.update(t.nbytes)
                 continue
             unexpected.append(f"{t.name} (in {t.file})")
@@ -301,8 +305,11 @@ class _Converter:
     ):
         self.model, self.quant, self.shard_specs, self.slices = model, quant, shard_specs, slices
         self.calibration = calibration
+        # The image encoder's linears (transformers' modules) stay as they are.
         self.modules = {
-            name: m for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, SparseMoE)) and name
+            name: m
+            for name, m in model.named_modules()
+            if isinstance(m, (torch.nn.Linear, SparseMoE)) and name and not name.startswith("vision.")
         }
         self.deferred: list[str] = []
         self.done: set[str] = set()

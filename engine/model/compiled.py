@@ -32,6 +32,7 @@ from engine.model.direct import DirectCall, Region, current_store, signature
 from engine.model.layers import DenseMLP
 from engine.model.model import CausalLM, DecoderLayer
 from engine.model.regions import LinearSpec, linear_spec, post_attention, pre_attention
+from engine.model.vision.step import StepImages, add_deepstack, merge_embeddings, rotary
 
 log = logging.getLogger("longctx.compile")
 
@@ -103,21 +104,28 @@ class CompiledStep:
         kv_caches: list[torch.Tensor],
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None = None,
+        images: StepImages | None = None,
     ) -> torch.Tensor:
         T = input_ids.shape[0]
         bucket = bucket_for(T)
         if bucket is None or bucket in self.eager_buckets:
-            return self.model(input_ids, meta, kv_caches, backend, logits_indices)
+            return self.model(input_ids, meta, kv_caches, backend, logits_indices, images)
         m = self.model
         pad = bucket - T
         positions = meta.positions
         if pad:
             input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
-        x = m.model.embed_tokens(input_ids)  # [bucket, hidden]
-        cos, sin = m.rope.cos_sin(positions, x.dtype)
+        # Image features replace their placeholders' embeddings; M-RoPE positions give cos/sin;
+        # DeepStack features join layers' outputs between regions (all eager, around the graphs).
+        x = merge_embeddings(m.model.embed_tokens(input_ids), images)  # [bucket, hidden]
+        cos, sin = rotary(m.rope, positions, images, x.dtype)
         residual = torch.zeros_like(x)
         bound = self.bound.get(bucket)
-        if bound is not None and not pad and cos.is_contiguous() and sin.is_contiguous() and self.observer is None:
+        deepstack = images is not None and bool(images.deepstack)
+        if (
+            bound is not None and not pad and cos.is_contiguous() and sin.is_contiguous() and self.observer is None
+            and not deepstack
+        ):  # fmt: skip
             x, residual = self._direct_layers(bound, x, residual, cos, sin, kv_caches, backend)
         else:
             layers = zip(kv_caches, self.layers, self.attention, self.sparse, strict=True)
@@ -132,6 +140,8 @@ class CompiledStep:
                 x, residual = self._region(bucket, i, 1, (o, residual, *post_args, self.eps))
                 if sparse is not None:
                     x = sparse(x)
+                if deepstack:
+                    x = add_deepstack(x, images, i)
             calls = [
                 (self.direct.get((bucket, i, 0)), self.direct.get((bucket, i, 1))) for i in range(len(self.layers))
             ]

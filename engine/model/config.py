@@ -7,9 +7,11 @@ values measured at run time (load statistics, KV capacity) live elsewhere.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from engine.model.vision.config import VISION_ARCHITECTURES, VisionConfig, text_dict, vision_config
 
 
 class UnsupportedModel(ValueError):
@@ -47,6 +49,10 @@ class RopeConfig:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
+    # Multi-axis RoPE (Qwen-VL): rotary frequency pairs per axis (temporal, height, width), and
+    # whether the axes take the pairs in turn (Qwen3-VL) rather than in three runs (Qwen2-VL).
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
@@ -89,6 +95,7 @@ class ModelConfig:
     dtype: str = "float32"  # the checkpoint's dtype
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    vision: VisionConfig | None = None  # a vision-language checkpoint's image side
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -122,9 +129,10 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise UnsupportedModel(f"cannot read {config_file}: {e}") from e
         archs = raw.get("architectures") or []
-        if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        if not archs or archs[0] not in SUPPORTED_ARCHITECTURES + tuple(VISION_ARCHITECTURES):
             raise UnsupportedModel(
-                f"{config_file}: unsupported architecture {archs!r}; supported: " + ", ".join(SUPPORTED_ARCHITECTURES)
+                f"{config_file}: unsupported architecture {archs!r}; supported: "
+                + ", ".join(SUPPORTED_ARCHITECTURES + tuple(VISION_ARCHITECTURES))
             )
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
@@ -136,7 +144,23 @@ class ModelConfig:
             hf = AutoConfig.from_pretrained(str(path))
         except (ValueError, KeyError, TypeError) as e:
             raise UnsupportedModel(f"{config_file}: invalid config: {e}") from e
+        if archs[0] in VISION_ARCHITECTURES:
+            return cls.from_hf_vision(hf.to_dict() | {"architectures": archs})
         return cls.from_hf(hf.to_dict() | {"architectures": archs})
+
+    @classmethod
+    def from_hf_vision(cls, d: dict[str, Any]) -> ModelConfig:
+        """A vision-language checkpoint: its text decoder's config, with the vision side attached."""
+        try:
+            text, vision = text_dict(d), vision_config(d)
+        except (ValueError, KeyError, TypeError) as e:
+            raise UnsupportedModel(str(e)) from e
+        text.setdefault("dtype", d.get("dtype") or d.get("torch_dtype"))
+        config = cls.from_hf(text)
+        rope = config.rope
+        if rope.mrope_section:  # Qwen3-VL interleaves the axes' frequency pairs
+            rope = replace(rope, mrope_interleaved=vision.family == "qwen3_vl")
+        return replace(config, rope=rope, vision=vision)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
@@ -208,6 +232,7 @@ def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
         mscale=p.get("mscale"),
         mscale_all_dim=p.get("mscale_all_dim"),
         truncate=bool(p.get("truncate", True)),
+        mrope_section=tuple(int(n) for n in p.get("mrope_section") or ()),
     )
 
 

@@ -29,6 +29,8 @@ from engine.model.tp import (
     set_source_slices,
     split_heads,
 )
+from engine.model.vision.encoder import ImageEncoder
+from engine.model.vision.step import StepImages, add_deepstack, merge_embeddings, rotary
 
 # Older spellings of module paths in checkpoints, rewritten before mapping a name.
 CHECKPOINT_RENAMES = ((".block_sparse_moe.", ".mlp."),)  # Mixtral as saved by transformers
@@ -170,6 +172,8 @@ class CausalLM(nn.Module):
         heads = split_heads(config.num_heads, config.num_kv_heads, parallel)
         self.local_heads, self.local_kv_heads = heads.heads, heads.kv_heads  # the KV cache holds these
         self.rope = RotaryEmbedding(config)
+        # A vision-language model's image encoder (`engine/model/vision/encoder.py`), set by the loader.
+        self.vision: ImageEncoder | None = None
 
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (after building on the meta device)."""
@@ -189,6 +193,7 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None = None,
+        images: StepImages | None = None,
     ) -> torch.Tensor:
         """One step.
 
@@ -197,14 +202,16 @@ class CausalLM(nn.Module):
             meta: the batch description (positions, pages); `backend` must be planned with it.
             kv_caches: per layer `[num_pages, 2, page_size, KVH, D]`.
             logits_indices: [N] rows of the batch whose logits are wanted (None = all).
+            images: image features and M-RoPE positions of the step's rows (vision-language models).
         Returns:
             [N, vocab] float32 logits.
         """
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos_sin = self.rope.cos_sin(meta.positions, x.dtype)
+        x = merge_embeddings(self.model.embed_tokens(input_ids), images)  # [T, hidden]
+        cos_sin = rotary(self.rope, meta.positions, images, x.dtype)
         residual: torch.Tensor | None = None
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             x, residual = layer(x, residual, cos_sin, cache, backend)
+            x = add_deepstack(x, images, i)
         if logits_indices is not None and residual is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         x = self.model.norm(x) if residual is None else add_rms_norm(self.model.norm, x, residual)[0]
@@ -251,7 +258,13 @@ class CausalLM(nn.Module):
             if hasattr(module, "checkpoint_name_map") and module is not self
         }
 
+        vision = self.config.vision
+
         def mapped(name: str) -> tuple[str, object] | None:
+            if vision is not None:  # the decoder's names under `model.`, the encoder's under `vision.`
+                name = vision.checkpoint_name(name)
+                if name.startswith("vision."):
+                    return (name, None) if name in params else None
             for old, new in CHECKPOINT_RENAMES:
                 name = name.replace(old, new)
             for prefix, fn in moe_maps.items():

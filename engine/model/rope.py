@@ -93,12 +93,15 @@ class RotaryEmbedding(torch.nn.Module):
     """
 
     inv_freq: torch.Tensor
+    axes: torch.Tensor
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         inv_freq, attention_factor = inv_frequencies(config.rope, config.head_dim, config.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_factor = attention_factor
+        # M-RoPE: the position axis (0 temporal, 1 height, 2 width) of each frequency pair.
+        self.register_buffer("axes", mrope_axes(config.rope, config.head_dim), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Args: positions [T] int64. Returns (cos, signed sin), each [T, 1, D] in `dtype`; the
@@ -111,6 +114,41 @@ class RotaryEmbedding(torch.nn.Module):
             cos.mul_(a)
             sin.mul_(a)
         return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
+
+    def cos_sin_axes(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """M-RoPE: positions [3, T] int64 (temporal, height, width); each frequency pair rotates
+        by its own axis's position (`mrope_axes`). Returns what `cos_sin` does."""
+        assert self.axes.numel(), "the model has no M-RoPE sections"
+        angles = torch.stack([rope_angles(p, self.inv_freq) for p in positions])  # [3, T, D/2]
+        freqs = angles.gather(0, self.axes.expand(1, angles.shape[1], -1))[0]  # [T, D/2]
+        cos = torch.cat((freqs, freqs), dim=-1).cos_()
+        sin = torch.cat((-freqs, freqs), dim=-1).sin_()
+        if self.attention_factor != 1.0:
+            cos.mul_(self.attention_factor)
+            sin.mul_(self.attention_factor)
+        return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
+
+
+def mrope_axes(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """[D/2] int64, the position axis of each frequency pair under M-RoPE (empty without it).
+
+    Qwen2-VL gives the axes three runs of `mrope_section` pairs; Qwen3-VL interleaves them
+    (pair j is height's when j % 3 == 1 and j < 3 * section[1], width's when j % 3 == 2 and
+    j < 3 * section[2], else temporal), as transformers' rotary embeddings of each do."""
+    section = rope.mrope_section
+    if not section:
+        return torch.zeros(0, dtype=torch.int64, device="cpu")
+    half = head_dim // 2
+    if sum(section) != half:
+        raise ValueError(f"mrope_section {list(section)} does not sum to head_dim / 2 = {half}")
+    axes = torch.zeros(half, dtype=torch.int64, device="cpu")
+    if rope.mrope_interleaved:
+        axes[1 : 3 * section[1] : 3] = 1
+        axes[2 : 3 * section[2] : 3] = 2
+    else:
+        axes[section[0] : section[0] + section[1]] = 1
+        axes[section[0] + section[1] :] = 2
+    return axes
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

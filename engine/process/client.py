@@ -206,8 +206,10 @@ class EngineClient(Generates):
         request_id: str | None = None,
         cache_salt: str = "",
         matcher: Any = None,
+        images: list[Any] | None = None,
     ) -> RequestHandle:
-        """As `Engine.add_request`; the matcher crosses as its grammar's key and accepted tokens."""
+        """As `Engine.add_request`; the matcher crosses as its grammar's key and accepted tokens,
+        images as their tensors' bytes (the engine process checks them against the prompt)."""
         admission = self.admission
         assert admission is not None, "build() first"
         params = params or SamplingParams()
@@ -221,7 +223,7 @@ class EngineClient(Generates):
         admission.enter()
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         handle = RequestHandle(rid, self.abort)
-        msg = wire.Add(rid, list(prompt_token_ids), params, cache_salt, grammar)
+        msg = wire.Add(rid, list(prompt_token_ids), params, cache_salt, grammar, wire.encode_images(images or []))
         with self._lock:
             duplicate = rid in self._handles
             if not duplicate:

@@ -165,9 +165,10 @@ class CoreLoop:
                     raise ValueError("this engine has no grammar backend")
                 matcher = self.grammar(msg.grammar.key, msg.grammar.accepted)
             handle = self.Handle(msg.request_id, self.engine.abort, self.outbox)
+            images = self.wire.decode_images(msg.images) if msg.images else None
             self.engine.add_request(
                 msg.prompt_ids, msg.params, request_id=msg.request_id, cache_salt=msg.cache_salt,
-                matcher=matcher, handle=handle,
+                matcher=matcher, handle=handle, images=images,
             )  # fmt: skip
         except Exception as e:  # the API side checked the same limits: this is unexpected
             log.warning("request %s refused in the engine process: %s", msg.request_id, e)

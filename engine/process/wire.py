@@ -8,12 +8,17 @@ loaded model's tokenizer and config, the compile report) travel pickled inside `
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.snapshot import EngineSnapshot
 from engine.stats import StatsSnapshot
+
+if TYPE_CHECKING:
+    from engine.model.vision.inputs import ImageInput
 
 
 class GrammarSpec(msgspec.Struct, array_like=True):
@@ -25,6 +30,57 @@ class GrammarSpec(msgspec.Struct, array_like=True):
     accepted: list[int] = []
 
 
+class WireTensor(msgspec.Struct, array_like=True):
+    """A tensor's raw bytes (C order) with its dtype name and shape."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class WireImage(msgspec.Struct, array_like=True):
+    """An `ImageInput` (`engine/model/vision/inputs.py`): the processor's tensors travel as bytes."""
+
+    content_hash: bytes
+    tensors: list[WireTensor]
+    num_tokens: int
+    grid: list[int] | None = None
+
+
+def encode_images(images: list[ImageInput]) -> list[WireImage]:
+    import torch
+
+    out = []
+    for im in images:
+        tensors = []
+        for name, t in im.tensors.items():
+            t = t.detach().cpu().contiguous()
+            data = t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b""
+            tensors.append(WireTensor(name, str(t.dtype).replace("torch.", ""), list(t.shape), data))
+        out.append(WireImage(im.content_hash, tensors, im.num_tokens, list(im.grid) if im.grid else None))
+    return out
+
+
+def decode_images(images: list[WireImage]) -> list[ImageInput]:
+    import torch
+
+    from engine.model.vision.inputs import ImageInput
+
+    out = []
+    for im in images:
+        tensors = {}
+        for t in im.tensors:
+            dtype = getattr(torch, t.dtype)
+            raw = (
+                torch.frombuffer(bytearray(t.data), dtype=torch.uint8) if t.data else torch.empty(0, dtype=torch.uint8)
+            )
+            tensors[t.name] = raw.view(dtype).reshape(t.shape)
+        grid = (im.grid[0], im.grid[1], im.grid[2]) if im.grid else None
+        out.append(ImageInput(im.content_hash, tensors, im.num_tokens, grid))
+    return out
+
+
 # ---- API -> engine ----
 
 
@@ -34,6 +90,7 @@ class Add(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
     cache_salt: str = ""
     grammar: GrammarSpec | None = None
+    images: list[WireImage] = []  # a vision-language model's images, in prompt order
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

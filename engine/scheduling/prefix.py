@@ -79,8 +79,10 @@ class PrefixLookup:
         if len(hashes) < num_pages:
             ns = self._salted(req.cache_salt)
             ps = self.page_size
+            images = req.images
             for i in range(len(hashes), num_pages):
-                hashes.append(hash_page(hashes[i - 1] if i else b"", req.tokens(i * ps, (i + 1) * ps), ns))
+                extra = images.page_extra(i, ps) if images is not None else b""
+                hashes.append(hash_page(hashes[i - 1] if i else b"", req.tokens(i * ps, (i + 1) * ps), ns, extra))
         return hashes
 
     def _salted(self, cache_salt: str) -> bytes:
