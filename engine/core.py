@@ -18,8 +18,6 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
-from typing import cast
 
 import torch
 
@@ -49,6 +47,13 @@ from kvstore.block_pool import BlockPool
 from kvstore.tiers import TieredStore
 
 log = logging.getLogger("longctx.engine")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """An inbox message: end this request (a new request arrives as its `Request`)."""
+
+    request_id: str
 
 
 class EngineCore:
@@ -118,7 +123,7 @@ class EngineCore:
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.sampler, self.grammar_hook, self.eos_token_ids, self.stats)
         self._requests: dict[str, Request] = {}
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Request | AbortRequest] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -267,25 +272,21 @@ class EngineCore:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, item = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                assert isinstance(item, Request)
-                self.admission.track(item)
-                if item.id in self._requests:
-                    self.admission.started([item])
-                    self._push_final(item, FinishReason.ERROR, f"request id {item.id!r} already in use")
-                    continue
-                self._requests[item.id] = item
-                self.scheduler.add(item)
-            elif kind == "abort":
-                req = self._requests.get(str(item))
+            if isinstance(item, AbortRequest):
+                req = self._requests.get(item.request_id)
                 if req is not None:
                     self._end(req, FinishReason.ABORT)
-            elif kind == "query":  # from cached_prefix_tokens on another thread
-                hashes, answer = cast("tuple[list[bytes], Future[int]]", item)
-                answer.set_result(self._on_device(hashes))
+                continue
+            self.admission.track(item)
+            if item.id in self._requests:
+                self.admission.started([item])
+                self._push_final(item, FinishReason.ERROR, f"request id {item.id!r} already in use")
+                continue
+            self._requests[item.id] = item
+            self.scheduler.add(item)
 
     def _publish(self) -> None:
         s, st = self.scheduler, self.stats
@@ -306,12 +307,6 @@ class EngineCore:
         read live: it is what `add_request` checks, and an idle engine publishes no step while a
         request added and aborted at once still counts until the engine thread drains it."""
         return dataclasses.replace(self._snapshot, queued=self.admission.queued)
-
-    def _on_device(self, hashes: list[bytes]) -> int:
-        n = 0
-        while n < len(hashes) and hashes[n] in self.pool.cached:
-            n += 1
-        return n
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or not self._inbox.empty()

@@ -418,11 +418,6 @@ class _Undo:
             await self.store.forget_idempotency(self.tenant, *self.key)
 
 
-async def collect(events: AsyncIterator[Event]) -> list[Event]:
-    """All events of a stream (tests and non-streaming callers of a stream)."""
-    return [e async for e in events]
-
-
 def _forced(matcher: Any, tokenizer: Tokenizer, params: SamplingParams) -> tuple[list[int], str]:
     """The reply's forced first tokens (`XGrammarMatcher.forced_prefix`) and their text as the
     engine would stream it."""

@@ -110,9 +110,6 @@ class FakeConnector:
     def evict(self, evicted: list[tuple[int, bytes]]) -> None:
         return None
 
-    def contains(self, page_hashes: list[bytes]) -> int:
-        return self._leading(page_hashes)
-
 
 def sim_token(req: Request) -> int:
     """The 'sampled' id: a function of the request and output position only."""

@@ -13,9 +13,9 @@ import pytest
 
 from sessions.items import Message, text_of
 from sessions.requests import InvalidParam
-from sessions.service import SessionService, collect
+from sessions.service import SessionService
 from sessions.tasks import BackgroundWorkers
-from tests.session_engine import TENANT, Run, compiler, engine, run, target
+from tests.session_engine import TENANT, Run, collect, compiler, engine, run, target
 
 __all__ = ["compiler", "engine", "run", "target"]  # fixtures
 QUESTION = {"input": "What is the capital of France?", "temperature": 0, "max_output_tokens": 24}
