@@ -94,6 +94,7 @@ class EngineCore:
         self.runner = runner
         self.kv_cache = runner.kv_cache
         self.kv_spec = runner.kv_cache.spec  # this rank's heads
+        assert self.kv_spec.page_size == config.page_size, "the runner's KV cache has another page size"
         self.namespace = kv_namespace(model, self.kv_spec, config.kv_dtype, fingerprint, parallel)
         self.store: TieredStore | None = None
         if connector is None and (config.host_cache_bytes or config.kv_redis_url):
@@ -107,13 +108,9 @@ class EngineCore:
         self.reclaim_window = reclaim_window(self.model_config)
         self.scheduler = Scheduler(
             self.pool,
-            self.kv_spec.page_size,
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
+            config,
             namespace=self.namespace if config.enable_prefix_caching else None,
             connector=self.connector,
-            lookup_timeout_s=config.kv_lookup_timeout_s,
-            max_prefill_tokens_per_request=config.max_prefill_tokens_per_request,
             recompute_s=self.prefill_rate.seconds,
             window=self.reclaim_window,
         )
