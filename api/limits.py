@@ -15,8 +15,6 @@ from collections import Counter
 from api.errors import ErrorSpec, register, retry_after_headers
 from api.state import ServerState
 
-QUEUE = "tenant_queue"  # ServerState.extras key
-
 
 class TenantOverloaded(RuntimeError):
     """The tenant already holds its share of waiting requests; nothing was queued."""
@@ -33,8 +31,7 @@ class TenantQueue:
     """Counts each tenant's waiting requests (any thread)."""
 
     def __init__(self, limit: int):
-        if limit < 1:
-            raise ValueError(f"--max-queued-per-tenant must be >= 1, got {limit}")
+        assert limit >= 1, limit  # `ServeOptions` checks the flag
         self.limit = limit
         self._waiting: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -62,16 +59,10 @@ class TenantQueue:
             return dict(self._waiting)
 
 
-def default_per_tenant(max_queued: int, asked: int | None) -> int:
-    """`--max-queued-per-tenant`, or half of `--max-queued` (at least 1)."""
-    return asked if asked is not None else max(1, max_queued // 2)
-
-
-def configure(state: ServerState, max_queued: int, per_tenant: int | None) -> None:
+def configure(state: ServerState) -> None:
     """Install the per-tenant queue routes read through `tenant_queue`."""
-    state.extras[QUEUE] = TenantQueue(default_per_tenant(max_queued, per_tenant))
+    state.tenant_queue = TenantQueue(state.options.per_tenant_queue)
 
 
 def tenant_queue(state: ServerState) -> TenantQueue | None:
-    queue: TenantQueue | None = state.extras.get(QUEUE)
-    return queue
+    return state.tenant_queue

@@ -33,6 +33,7 @@ from litestar.exceptions import WebSocketDisconnect
 from api.auth import tenant
 from api.errors import spec_for
 from api.metrics import METRICS
+from api.state import ServerState
 from sessions.errors import NotFound
 from sessions.items import Item
 from sessions.models import TERMINAL, Response
@@ -85,7 +86,9 @@ async def turn(socket: WebSocket[Any, Any, Any], raw: str, chain: Chain) -> None
     prev = body.get("previous_response_id")
     continues = prev is not None and prev == chain.id
     history = chain.items if continues and not chain.stored else None
-    svc = socket.app.state.server.extras["sessions"]
+    state: ServerState = socket.app.state.server
+    svc = state.sessions
+    assert svc is not None  # the route runs once the server is ready
     try:
         req = decode_request(body | {"stream": True})
         events = await svc.create(tenant(socket), req, history=history)

@@ -25,6 +25,7 @@ import socket
 from typing import Any
 
 from engine.request import EngineOverloaded
+from sessions.config import WorkerConfig
 from sessions.errors import ConversationBusy, NotFound, StoreError
 from sessions.events import EventWriter
 from sessions.items import Item
@@ -57,17 +58,11 @@ def request_of(response: Response, items: list[Item]) -> ResponseRequest:
 class BackgroundWorkers:
     """The background loops of one process (see the module docstring); `run` until cancelled."""
 
-    def __init__(
-        self,
-        service: SessionService,
-        workers: int = 2,
-        name: str | None = None,
-        heartbeat_s: float = 10.0,
-        claim_idle_s: float = 30.0,
-    ):
-        self.service, self.store, self.workers = service, service.store, workers
+    def __init__(self, service: SessionService, config: WorkerConfig | None = None, name: str | None = None):
+        config = config or WorkerConfig()
+        self.service, self.store, self.workers = service, service.store, config.workers
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
-        self.heartbeat_s, self.claim_idle_s = heartbeat_s, claim_idle_s
+        self.heartbeat_s, self.claim_idle_s = config.heartbeat, config.claim_idle_s
         self._tasks: set[asyncio.Task[Any]] = set()
         self._turns: dict[str, asyncio.Task[Response]] = {}  # response id -> its running turn
         self._jobs: dict[str, Job] = {}  # job id -> job being run here and not yet acked

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from sessions.config import WorkerConfig
 from sessions.items import Message, text_of
 from sessions.requests import InvalidParam
 from sessions.service import SessionService
@@ -23,7 +24,7 @@ LONG = {"input": "Tell me a long story about a dragon.", "temperature": 0, "max_
 
 
 async def with_workers(svc: SessionService, body: Any, **kw: Any) -> Any:
-    workers = asyncio.create_task(BackgroundWorkers(svc, workers=1, **kw).run())
+    workers = asyncio.create_task(BackgroundWorkers(svc, WorkerConfig(workers=1, **kw)).run())
     try:
         return await body
     finally:
