@@ -71,10 +71,10 @@ async def create_response(request: Request[Any, Any, Any], data: CreateResponseB
     """Create a response (the final one; SSE events when `stream` is true)."""
     started, who = time.perf_counter(), tenant(request)
     result = await service(request).create(who, data, request.headers.get("idempotency-key"))
-    if hasattr(result, "__aiter__"):
-        return cast(Response, sse_response(measured_events(result, who, started)))
-    METRICS.count_usage(who, getattr(result, "usage", None))
-    return cast(Response, result)
+    if isinstance(result, Response):
+        METRICS.count_usage(who, result.usage)
+        return result
+    return cast(Response, sse_response(measured_events(result, who, started)))
 
 
 @post("/responses/compact", status_code=200, responses=ERRORS)
@@ -94,13 +94,13 @@ async def retrieve_response(
         if not found.background:
             raise InvalidParam("stream", "only background responses keep their events; retrieve it without stream")
         return cast(Response, sse_response(svc.stream_events(tenant(request), resp_id, starting_after)))
-    return cast(Response, await svc.retrieve(tenant(request), resp_id))
+    return await svc.retrieve(tenant(request), resp_id)
 
 
 @post("/responses/{resp_id:str}/cancel", status_code=200, responses=ERRORS)
 async def cancel_response(request: Request[Any, Any, Any], resp_id: str) -> Response:
     """Cancel a background response."""
-    return cast(Response, await service(request).cancel(tenant(request), resp_id))
+    return await service(request).cancel(tenant(request), resp_id)
 
 
 @delete("/responses/{resp_id:str}", status_code=200, responses=ERRORS)

@@ -92,6 +92,7 @@ async def turn(socket: WebSocket[Any, Any, Any], raw: str, chain: Chain) -> None
     try:
         req = decode_request(body | {"stream": True})
         events = await svc.create(tenant(socket), req, history=history)
+        assert not isinstance(events, Response), "a streamed request gets its events"
     except Exception as e:
         if continues:
             chain.clear()

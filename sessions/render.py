@@ -116,6 +116,12 @@ def render_text(
     return str(text)
 
 
+def render_messages(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> Prompt:
+    """A stateless turn's prompt (Chat Completions' `messages`), rendered and tokenized whole."""
+    text = render_text(tokenizer, messages, tools)
+    return Prompt(encode(tokenizer, text), 0, text)
+
+
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:
     """Rendered text to ids: special tokens in the text are read as such, none are added (the
     template writes its own BOS), as `apply_chat_template(tokenize=True)` does."""

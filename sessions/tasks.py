@@ -31,9 +31,10 @@ from sessions.events import EventWriter
 from sessions.items import Item
 from sessions.models import Response
 from sessions.requests import CreateResponseBody, ResponseRequest
-from sessions.service import SessionService, _Undo
+from sessions.service import SessionService
 from sessions.streams import Job
 from sessions.turn import Turn
+from sessions.undo import Undo
 
 log = logging.getLogger("longctx.sessions")
 CANCEL_POLL_S = 0.5
@@ -201,15 +202,15 @@ class BackgroundWorkers:
             page = await self.store.responses.list_input_items(tenant, resp_id, page.last_id, 100, "asc")
             items += page.items
         seen = [e async for e in _all_events(svc, tenant, resp_id)]
-        undo = _Undo(self.store, tenant)
+        undo = Undo(self.store, tenant)
         undo.resp_id = resp_id
         try:
-            plan = await svc._plan(tenant, request_of(stored, items), undo, priority=1)
+            plan = await svc.planner.plan(tenant, request_of(stored, items), undo, priority=1)
             plan.response.status, plan.response.created_at = "in_progress", stored.created_at
             attempt = {"attempt": 2} if seen else {}  # a rerun after a dead worker's attempt
             writer = EventWriter(self.store_sink(resp_id), first=seen[-1] + 1 if seen else 0, extra=attempt)
             plan.assembler.writer = writer
-            turn = Turn(svc.engine, self.store, plan, writer, svc.config.lease_renew_s, svc.config.kv_commit_wait_s)
+            turn = Turn(svc.engine, self.store, plan, svc.config)
             turn.submit()
         except BaseException:
             await undo.run()
