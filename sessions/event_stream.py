@@ -10,7 +10,7 @@ client disconnects) stops the turn: the engine request is aborted and the respon
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, Protocol
 
 import msgspec
@@ -22,10 +22,14 @@ from sessions.turn import Turn
 _END: Any = object()
 
 
-class ResponseEvents(AsyncIterator[Event], Protocol):
-    """A response's events in order: a foreground turn's (`EventStream`), a background response's
-    from the store (`stored_events`) or a finished one's (`replay`). A consumer that leaves early
-    calls `aclose`."""
+class ResponseEvents(Protocol):
+    """A response's events in order, an async iterator: a foreground turn's (`EventStream`), a
+    background response's from the store (`stored_events`) or a finished one's (`replay`). A
+    consumer that leaves early calls `aclose`."""
+
+    def __aiter__(self) -> AsyncIterator[Event]: ...
+
+    def __anext__(self) -> Awaitable[Event]: ...
 
     async def aclose(self) -> None: ...
 
