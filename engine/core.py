@@ -98,10 +98,7 @@ class EngineCore:
         self.namespace = kv_namespace(model, self.kv_spec, config.kv_dtype, fingerprint, parallel)
         self.store: TieredStore | None = None
         if connector is None and (config.host_cache_bytes or config.kv_redis_url):
-            connector = self.store = build_tiers(
-                self.kv_cache, self.namespace, config.host_cache_bytes, config.kv_redis_url, config.kv_redis_ttl,
-                config.kv_redis_prefix, config.kv_redis_max_pending_bytes,
-            )  # fmt: skip
+            connector = self.store = build_tiers(self.kv_cache, self.namespace, config)
         self.connector: KVConnector = connector or NoConnector()
         self.pool = BlockPool(self.kv_cache.num_pages, on_evict=self.connector.evict)
         self.prefill_rate = PrefillRate()  # what recomputing costs, against a tier lookup's wait
@@ -126,16 +123,23 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self.admission = Admission(
-            config.max_queued, self.max_model_len, self.capacity_tokens, self.model_config.vocab_size,
-            tokenizer is not None,
-        )  # fmt: skip
+            config.max_queued,
+            self.max_model_len,
+            self.capacity_tokens,
+            self.model_config.vocab_size,
+            has_tokenizer=tokenizer is not None,
+        )
         self._snapshot = EngineSnapshot(free_pages=self.pool.num_free, total_pages=self.pool.num_pages)
+        pages, page_size = self.kv_cache.num_pages, self.kv_spec.page_size
         log.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %s); backend %s",
-            self.kv_cache.num_pages, self.kv_spec.page_size, self.kv_cache.num_pages * self.kv_spec.page_size,
+            pages,
+            page_size,
+            pages * page_size,
             self.kv_cache.num_bytes / 1e6,
-            self.kv_spec.dtype, runner.backend.name,
-        )  # fmt: skip
+            self.kv_spec.dtype,
+            runner.backend.name,
+        )
         self._log_windows()
 
     def _log_windows(self) -> None:
@@ -144,15 +148,17 @@ class EngineCore:
             log.info(
                 "every layer has a sliding window (at most %d tokens): a sequence releases its KV pages "
                 "behind the window as it advances and holds at most %d pages between steps",
-                self.reclaim_window, -(-self.reclaim_window // self.kv_spec.page_size) + 2,
-            )  # fmt: skip
+                self.reclaim_window,
+                -(-self.reclaim_window // self.kv_spec.page_size) + 2,
+            )
         elif windows:
             full = sum(w is None for w in windows)
             log.info(
                 "the model mixes full-attention (%d) and sliding-window (%d) layers: every KV page is kept, "
                 "since the full-attention layers read them all",
-                full, len(windows) - full,
-            )  # fmt: skip
+                full,
+                len(windows) - full,
+            )
 
     @property
     def capacity_tokens(self) -> int:
@@ -288,15 +294,23 @@ class EngineCore:
     def _publish(self) -> None:
         s, st = self.scheduler, self.stats
         self._snapshot = EngineSnapshot(
-            len(s.running), len(s.waiting), len(s.loading), self.admission.queued, self.pool.num_free,
-            self.pool.num_pages,
-            s.num_preemptions, st.prompt_tokens_computed, st.generated_tokens, st.finished, st.steps,
-            {
-                r.id: r.pages.num_live
-                for r in itertools.chain(s.running, (i.request for i in s.loading), s.pinned)
+            running=len(s.running),
+            waiting=len(s.waiting),
+            loading=len(s.loading),
+            queued=self.admission.queued,
+            free_pages=self.pool.num_free,
+            total_pages=self.pool.num_pages,
+            preemptions=s.num_preemptions,
+            prompt_tokens_computed=st.prompt_tokens_computed,
+            generated_tokens=st.generated_tokens,
+            finished=st.finished,
+            steps=st.steps,
+            request_pages={
+                r.id: r.pages.num_live for r in itertools.chain(s.running, (i.request for i in s.loading), s.pinned)
             },
-            s.peak_request_pages, s.num_reclaimed_pages,
-        )  # fmt: skip
+            peak_request_pages=s.peak_request_pages,
+            reclaimed_pages=s.num_reclaimed_pages,
+        )
 
     def snapshot(self) -> EngineSnapshot:
         """The load as of the last step (any thread): an immutable copy the engine thread replaces
