@@ -59,10 +59,15 @@ def load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from engine.loading.overrides import parse_overrides
 
     return dict(
-        spec=args.model, dtype=args.dtype, device=args.device, progress=False, quantization=args.quantization,
-        group_size=args.group_size, hf_overrides=parse_overrides(args.hf_overrides),
+        spec=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        progress=False,
+        quantization=args.quantization,
+        group_size=args.group_size,
+        hf_overrides=parse_overrides(args.hf_overrides),
         chat_template=args.chat_template,
-    )  # fmt: skip
+    )
 
 
 def core_spec(args: argparse.Namespace, config: EngineConfig) -> Any:
@@ -89,8 +94,11 @@ class ModelLoad:
         self.client = EngineClient(core_spec(args, config), engine_wait_policy())
         logging.getLogger("longctx.serve").info(
             "engine process %d: %d torch threads; API process: %d (of %d cores)",
-            self.client.pid, self.engine_threads, self.api_threads, cores(),
-        )  # fmt: skip
+            self.client.pid,
+            self.engine_threads,
+            self.api_threads,
+            cores(),
+        )
 
     @classmethod
     def start(cls, args: argparse.Namespace, config: EngineConfig) -> ModelLoad | None:

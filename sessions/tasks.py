@@ -43,15 +43,26 @@ CANCEL_POLL_S = 0.5
 def request_of(response: Response, items: list[Item]) -> ResponseRequest:
     """The request a stored response was made by (its echoed parameters) with its input items."""
     b = CreateResponseBody(
-        model=response.model, instructions=response.instructions, temperature=response.temperature,
-        top_p=response.top_p, presence_penalty=response.presence_penalty,
-        frequency_penalty=response.frequency_penalty, max_output_tokens=response.max_output_tokens,
-        max_tool_calls=response.max_tool_calls, previous_response_id=response.previous_response_id,
-        parallel_tool_calls=response.parallel_tool_calls, store=True, background=True,
-        truncation=response.truncation, prompt_cache_key=response.prompt_cache_key, metadata=response.metadata,
-        reasoning=response.reasoning, top_logprobs=response.top_logprobs or None,
-        service_tier=response.service_tier, safety_identifier=response.safety_identifier,
-    )  # fmt: skip
+        model=response.model,
+        instructions=response.instructions,
+        temperature=response.temperature,
+        top_p=response.top_p,
+        presence_penalty=response.presence_penalty,
+        frequency_penalty=response.frequency_penalty,
+        max_output_tokens=response.max_output_tokens,
+        max_tool_calls=response.max_tool_calls,
+        previous_response_id=response.previous_response_id,
+        parallel_tool_calls=response.parallel_tool_calls,
+        store=True,
+        background=True,
+        truncation=response.truncation,
+        prompt_cache_key=response.prompt_cache_key,
+        metadata=response.metadata,
+        reasoning=response.reasoning,
+        top_logprobs=response.top_logprobs or None,
+        service_tier=response.service_tier,
+        safety_identifier=response.safety_identifier,
+    )
     conv = response.conversation.id if response.conversation else None
     return ResponseRequest(b, items, list(response.tools), response.tool_choice, response.text, conv)
 
