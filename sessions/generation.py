@@ -66,14 +66,14 @@ class ReplyAsk:
     max_tokens: int | None = None
     max_tokens_param: str = "max_output_tokens"
     prompt_param: str = "input"
-    temperature: float = 1.0
-    top_p: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    temperature: float = SamplingParams.temperature
+    top_p: float = SamplingParams.top_p
+    presence_penalty: float = SamplingParams.presence_penalty
+    frequency_penalty: float = SamplingParams.frequency_penalty
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
-    priority: int = 0
+    priority: int = SamplingParams.priority
 
     @property
     def offered(self) -> list[ToolSpec]:

@@ -70,7 +70,7 @@ class TurnPlanner:
                 keep.cancel()
         fmt = (req.body.text or {}).get("format")
         try:
-            ask = _ask(req, specs, priority)
+            ask = _ask(req, specs, priority, self.config)
             generation = await self.generations.plan(ask, prompt, request_id=resp_id, tenant=tenant)
         except InvalidRequest as e:
             raise InvalidParam(_param(e, req, "text.format" if fmt else "tools"), str(e)) from None
@@ -119,7 +119,7 @@ class TurnPlanner:
                 log.warning("lease renewal of %s failed: %s", lease[0], e)
 
 
-def _ask(req: ResponseRequest, specs: list[ToolSpec], priority: int) -> ReplyAsk:
+def _ask(req: ResponseRequest, specs: list[ToolSpec], priority: int, config: ServiceConfig) -> ReplyAsk:
     """What a Responses request asks of its reply, in that API's field names."""
     b = req.body
     return ReplyAsk(
@@ -128,8 +128,8 @@ def _ask(req: ResponseRequest, specs: list[ToolSpec], priority: int) -> ReplyAsk
         parallel_tool_calls=b.parallel_tool_calls is not False and b.max_tool_calls != 1,
         output_format=parse_output_format((b.text or {}).get("format"), "text.format"),
         max_tokens=b.max_output_tokens,
-        temperature=1.0 if b.temperature is None else b.temperature,
-        top_p=1.0 if b.top_p is None else b.top_p,
+        temperature=config.temperature if b.temperature is None else b.temperature,
+        top_p=config.top_p if b.top_p is None else b.top_p,
         presence_penalty=b.presence_penalty or 0.0,
         frequency_penalty=b.frequency_penalty or 0.0,
         seed=b.seed,
