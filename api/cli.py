@@ -18,6 +18,7 @@ from api import chat_client, cli_tools
 from api.doctor.options import add_doctor_args, doctor_options
 from api.engine_args import add_engine_args, engine_config
 from api.serve_args import add_serve_args
+from api.state import ServeOptions
 from engine.sampling_params import SamplingParams
 
 
@@ -280,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=chat_client.run)
 
     route = sub.add_parser("route", help="a cache-aware front for N serve replicas (each turn goes where its cache is)")
-    route.add_argument("--host", default="127.0.0.1")
+    route.add_argument("--host", default=ServeOptions.host)
     route.add_argument("--port", type=int, default=8080)
     route.add_argument("--replica", action="append", default=[], required=True, help="a replica's URL (repeat)")
     route.set_defaults(func=_route)

@@ -10,7 +10,8 @@ in its API's field names) into a `Generation`:
   the field in Chat's shape), and the reply's readers: `ReasoningSplitter` for `<think>`
   templates, `ToolCallParser` when tools are offered;
 - the sampling params, and the reply's forced first tokens (a required call's marker and name,
-  `XGrammarMatcher.forced_prefix`): prefilled with the prompt, yet output of the reply.
+  `XGrammarMatcher.forced_prefix`): prefilled with the prompt, yet output of the reply (not when
+  logprobs are asked for: a prefilled token has none).
 
 `Generation.submit` adds the engine request (id = the reply's, cache salt = the tenant);
 `Generation.read` feeds the reply its text (the forced text first) and yields each engine output
@@ -229,7 +230,7 @@ class Generations:
             parser=ToolCallParser(self.tool_format, offered) if offered else None,
             splitter=ReasoningSplitter(self.reasoning, self.reasoning and opens_in_reasoning(prompt.text)),
         )
-        if generation.matcher is not None and not generation.in_reasoning and not params.logprobs:
+        if generation.matcher is not None and not generation.in_reasoning and params.logprobs is None:
             forced = await self.tokenizing.run(_forced, generation.matcher, self.tokenizer, params)
             generation.forced_ids, generation.forced_text = forced
         return generation
