@@ -141,15 +141,9 @@ def _generate_in_process(args: argparse.Namespace) -> int:
     from engine.loading.overrides import parse_overrides
 
     loaded = load(
-        args.model,
-        args.dtype,
-        args.device,
-        parallel=parallel,
-        quantization=args.quantization,
-        group_size=args.group_size,
-        hf_overrides=parse_overrides(args.hf_overrides),
-        chat_template=args.chat_template,
-    )
+        args.model, args.dtype, args.device, parallel=parallel, quantization=args.quantization,
+        group_size=args.group_size, hf_overrides=parse_overrides(args.hf_overrides), chat_template=args.chat_template,
+    )  # fmt: skip
     if not parallel.is_driver:  # ranks 1..N-1 replay rank 0's steps until it stops them
         from engine.distributed_runner import serve_worker
 
