@@ -23,7 +23,7 @@ from sessions.config import ServiceConfig, StoreConfig, WorkerConfig
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-    from api.limits import TenantQueue
+    from api.tenant_queue import TenantQueue
     from engine.loading.loader import LoadedModel
     from engine.process.client import EngineClient
     from engine.verify.self_check import CompileReport
