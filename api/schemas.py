@@ -138,7 +138,7 @@ class ToolCall(msgspec.Struct, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    role: Literal["assistant"] = "assistant"
+    role: Literal["assistant"]  # no default: omit_defaults would leave it out
     content: str | None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
