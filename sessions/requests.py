@@ -191,7 +191,7 @@ def check(body: CreateResponseBody) -> ResponseRequest:
     _check_context_management(body.context_management)
     if body.reasoning is not None and body.reasoning.effort not in (None, *EFFORTS):
         raise InvalidParam("reasoning.effort", f"expected one of {', '.join(EFFORTS)}, got {body.reasoning.effort!r}")
-    return ResponseRequest(body, items, tools, choice, text, conv_id)
+    return ResponseRequest(body, items, tools=tools, tool_choice=choice, text=text, conversation_id=conv_id)
 
 
 def _check_sampling(b: CreateResponseBody) -> None:

@@ -64,7 +64,9 @@ def request_of(response: Response, items: list[Item]) -> ResponseRequest:
         safety_identifier=response.safety_identifier,
     )
     conv = response.conversation.id if response.conversation else None
-    return ResponseRequest(b, items, list(response.tools), response.tool_choice, response.text, conv)
+    return ResponseRequest(
+        b, items, tools=list(response.tools), tool_choice=response.tool_choice, text=response.text, conversation_id=conv
+    )
 
 
 class BackgroundWorkers:
