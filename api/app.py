@@ -34,8 +34,6 @@ from api.state import ServerState
 
 log = logging.getLogger("longctx.serve")
 
-MAX_BODY_BYTES = 8 * 1024 * 1024
-
 
 def server_state(request: Request[Any, Any, Any]) -> ServerState:
     state: ServerState = request.app.state.server
@@ -97,7 +95,6 @@ def create_app(
     routes: Sequence[ControllerRouterHandler] = (),
     start: Callable[[ServerState], Coroutine[Any, Any, None]] | None = None,
     debug: bool = False,
-    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> Litestar:
     """The app serving `state`.
 
@@ -106,7 +103,8 @@ def create_app(
         routes: route handlers, routers or controllers of the API.
         start: the startup phases, run as a task once the lifespan begins (None: nothing to start).
         debug: Litestar's debug mode (tracebacks in logs).
-        max_body_bytes: the largest request body (over: 413).
+
+    The largest request body is `state.options.max_body_bytes` (over: 413).
     """
 
     @contextlib.asynccontextmanager
@@ -123,6 +121,7 @@ def create_app(
                     await task
             await shutdown(state)
 
+    max_body_bytes = state.options.max_body_bytes
     app = Litestar(
         route_handlers=[health, ready, metrics, *routes],
         middleware=[http_metrics, body_limit(max_body_bytes)],

@@ -27,7 +27,6 @@ from api.state import ServerState
 log = logging.getLogger("longctx.serve")
 
 DEFAULT_TENANT = "default"
-KEYS = "api_keys"  # ServerState.extras key: dict KEY -> TENANT, absent without a keys file
 
 
 class KeysFileError(ValueError):
@@ -76,11 +75,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def configure(state: ServerState, keys_file: Path | None, host: str) -> None:
-    """Install the keys (or refuse an unauthenticated non-loopback host). Raises KeysFileError."""
+def configure(state: ServerState) -> None:
+    """Install the keys of `--api-keys-file` (or refuse an unauthenticated non-loopback host).
+    Raises KeysFileError."""
+    keys_file, host = state.options.api_keys_file, state.options.host
     if keys_file is not None:
         keys = load_keys(keys_file)
-        state.extras[KEYS] = keys
+        state.api_keys = keys
         log.info("API keys: %d key(s) for %d tenant(s) from %s", len(keys), len(set(keys.values())), keys_file)
         return
     if not is_loopback(host):
@@ -100,7 +101,8 @@ def auth_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandl
     """A Litestar guard: the request's tenant into `connection.state.tenant`; 401 without a valid key."""
     if not connection.url.path.startswith("/v1"):
         return
-    keys: dict[str, str] | None = connection.app.state.server.extras.get(KEYS)
+    state: ServerState = connection.app.state.server
+    keys = state.api_keys
     if keys is None:
         connection.state.tenant = DEFAULT_TENANT
         return

@@ -40,10 +40,14 @@ def body_limit(max_bytes: int) -> Callable[[ASGIApp], ASGIApp]:
                 drained += len(message.get("body", b""))
                 if not message.get("more_body", False):
                     break
-            body = json.dumps(error_body(
-                f"the request body is {length} bytes; this server takes at most {max_bytes} (--max-body-bytes)",
-                "invalid_request_error", None, "request_too_large",
-            )).encode()  # fmt: skip
+            body = json.dumps(
+                error_body(
+                    f"the request body is {length} bytes; this server takes at most {max_bytes} (--max-body-bytes)",
+                    "invalid_request_error",
+                    None,
+                    "request_too_large",
+                )
+            ).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
             if drained > DRAIN_BYTES:
                 headers.append((b"connection", b"close"))

@@ -71,8 +71,13 @@ def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = sys.s
                 for call in calls:
                     out.write(f"result of {call.name}({call.arguments}): ")
                     out.flush()
-                    results.append({"type": "function_call_output", "call_id": call.call_id,
-                                    "output": stdin.readline().rstrip("\n")})  # fmt: skip
+                    results.append(
+                        {
+                            "type": "function_call_output",
+                            "call_id": call.call_id,
+                            "output": stdin.readline().rstrip("\n"),
+                        }
+                    )
                 calls = _turn(client, kw, results, out)
     except KeyboardInterrupt:
         pass

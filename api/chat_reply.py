@@ -18,7 +18,8 @@ from tools.calls import ArgumentsDelta, CallDone, CallStarted, TextDelta, ToolCa
 
 
 class ChatReply:
-    """Reads one reply (see the module docstring). `feed`/`finish` return the deltas to stream."""
+    """Reads one reply (see the module docstring): `feed` (a `sessions.generation.Reply`) and
+    `finish` collect the deltas to stream, which `take` hands out."""
 
     def __init__(self, parser: ToolCallParser | None, splitter: ReasoningSplitter):
         self.parser, self.splitter = parser, splitter
@@ -26,24 +27,23 @@ class ChatReply:
         self.reasoning: list[str] = []
         self.calls: list[dict[str, Any]] = []
         self._pending = ""  # leading whitespace, held until text follows it
+        self._deltas: list[dict[str, Any]] = []
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self.splitter.in_reasoning
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+    async def feed(self, text: str) -> None:
         for piece in self.splitter.feed(text):
-            out += self._piece(piece.reasoning, piece.text)
-        return out
+            self._deltas += self._piece(piece.reasoning, piece.text)
 
-    def finish(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+    def finish(self) -> None:
+        """End of the reply: text held back is released, an open call is closed."""
         for piece in self.splitter.finish():
-            out += self._piece(piece.reasoning, piece.text)
+            self._deltas += self._piece(piece.reasoning, piece.text)
         if self.parser is not None:
             for event in self.parser.finish():
-                out += self._event(event)
+                self._deltas += self._event(event)
+
+    def take(self) -> list[dict[str, Any]]:
+        """The deltas made since the last call."""
+        out, self._deltas = self._deltas, []
         return out
 
     def message(self) -> dict[str, Any]:

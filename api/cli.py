@@ -16,48 +16,11 @@ from typing import Any
 import torch
 
 from api import chat_client, cli_tools
-from api.engine_args import add_engine_args, engine_config, parse_bytes
-
-
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--redis-url", default=None, help="state Redis; default: a managed redis-server")
-    p.add_argument("--redis-prefix", default="lc", help="prefix of every state key")
-    p.add_argument("--state-ttl", type=int, default=30 * 86_400, help="seconds conversations and responses live")
-    p.add_argument("--background-workers", type=int, default=2, help="background-response workers per process")
-    p.add_argument("--job-claim-idle-s", type=float, default=30.0,
-                   help="a background job whose worker sent no heartbeat for this long (its server died) is "
-                        "taken over by another server")  # fmt: skip
-    p.add_argument("--kv-commit-wait-ms", type=float, default=50.0,
-                   help="a turn's commit waits up to this long for its KV pages to reach Redis (so the next turn "
-                        "finds them on any replica); pages still queued are marked pending, and the next lookup "
-                        "waits for them")  # fmt: skip
-    p.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV pages across requests")
-    p.add_argument(
-        "--kv-redis-max-memory", type=parse_bytes, default=2 << 30, help="maxmemory of the managed KV-cache Redis"
-    )
-    p.add_argument("--max-output-tokens", type=int, default=4096, help="cap on a response's output tokens")
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
-    p.add_argument(
-        "--tool-call-format", default="auto", help="auto (from the chat template), hermes, llama3 or mistral"
-    )
-    p.add_argument("--shutdown-grace-s", type=float, default=10, help="on SIGTERM: seconds streams may take to finish")
-    p.add_argument("--max-body-bytes", type=parse_bytes, default=8 << 20, help="largest request body (over: 413)")
-    p.add_argument(
-        "--override-generation-config", default=None, metavar="JSON",
-        help='sampling defaults for requests that give none, e.g. \'{"temperature": 0}\' (temperature, top_p)',
-    )  # fmt: skip
-    p.add_argument(
-        "--hosted-tools", default="ignore", choices=["ignore", "reject"],
-        help="hosted tools (web_search, ...) in a request: ignore (not offered to the model, echoed) or reject (400)",
-    )  # fmt: skip
-    p.add_argument(
-        "--max-queued-per-tenant", type=int, default=None, help="waiting requests per tenant (default: --max-queued/2)"
-    )
-    p.add_argument(
-        "--api-keys-file", type=Path, default=None, help="'KEY TENANT' per line (default: no auth, loopback)"
-    )
+from api.doctor.options import add_doctor_args, doctor_options
+from api.engine_args import add_engine_args, engine_config
+from api.serve_args import add_serve_args
+from api.state import ServeOptions
+from engine.sampling_params import SamplingParams
 
 
 def _check_buckets(engine: Any, prompt_len: int) -> None:
@@ -75,9 +38,7 @@ def _check_buckets(engine: Any, prompt_len: int) -> None:
     warm_up_and_check(step, engine.kv_spec.page_size, tuple(sorted(b for b in buckets if b is not None)))
 
 
-def _params(args: argparse.Namespace) -> Any:
-    from engine.sampling_params import SamplingParams
-
+def _params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -158,8 +119,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     engine_threads, api_threads = placement(args.threads)
     torch.set_num_threads(api_threads)
-    spec = core_spec(args, engine_threads)
-    client = EngineClient(spec, engine_wait_policy())
+    config = engine_config(args, threads=engine_threads)
+    client = EngineClient(core_spec(args, config), engine_wait_policy())
     try:
         loaded = client.wait_phase("loaded")
         client.tokenizer = tok = loaded.tokenizer
@@ -167,7 +128,6 @@ def _generate(args: argparse.Namespace) -> int:
         images = None
         if args.image:
             prompt_ids, images = _image_prompt(args, loaded)
-        config = spec.config
         buckets = _buckets(config.max_num_batched_tokens, len(prompt_ids)) if config.compile else []
         client.build(config.kv_redis_url, config.kv_redis_prefix, config.enable_prefix_caching, buckets)
         client.wait_phase("compiled")
@@ -251,8 +211,10 @@ def _generate_in_process(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from api.model_load import ModelLoad
+    from api.serve_args import serve_options
 
-    model = ModelLoad.start(args)  # loads while the HTTP stack below is imported
+    options = serve_options(args)
+    model = ModelLoad.start(args, options.engine)  # loads while the HTTP stack below is imported
     try:
         from api import chat, conversations, responses
         from api.serve import run
@@ -262,7 +224,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     routes = [responses.router, conversations.router, chat.router]
     try:
-        return run(args, routes=routes, setup=responses.setup, model=model)
+        return run(args, options, routes=routes, setup=responses.setup, model=model)
     finally:
         if model is not None:
             model.finish()
@@ -282,25 +244,10 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from api.doctor import DoctorOptions, run_doctor
+    from api.doctor import run_doctor
     from api.doctor.report import print_summary
 
-    options = DoctorOptions(
-        stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()) if args.stages else DoctorOptions.stages,
-        dtype=args.dtype,
-        device=args.device,
-        threads=args.threads,
-        max_length=args.max_length,
-        reference=args.reference,
-        baseline=args.baseline,
-        save_baseline=args.save_baseline,
-        tensor_parallel_size=args.tensor_parallel_size,
-        expert_parallel=args.expert_parallel,
-        serve_dtype=args.serve_dtype,
-        quantization=args.quantization,
-        group_size=args.group_size,
-        compile=args.compile,
-    )
+    options = doctor_options(args)
     report = run_doctor(args.model, options)
     print_summary(report)
     if args.report is not None:
@@ -339,9 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the chat template with a generation prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=SamplingParams.top_p)
+    gen.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="0 = off")
+    gen.add_argument("--min-p", type=float, default=SamplingParams.min_p)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", nargs="+", default=None, help="stop strings (never printed)")
     gen.add_argument(
@@ -354,28 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="the HTTP server (Responses and Conversations APIs)")
     add_engine_args(serve)
-    _add_serve_args(serve)
+    add_serve_args(serve)
     serve.set_defaults(func=_serve)
 
     doc = sub.add_parser("doctor", help="check that a checkpoint runs correctly here (a Day-0 report)")
-    doc.add_argument("--model", default="smollm2-135m-instruct", help="directory, .gguf file, pulled name or repo id")
-    doc.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    doc.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    doc.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
-    doc.add_argument("--max-length", type=int, default=None, help="longest prompt of the length stage")
-    doc.add_argument("--stages", default=None, help="comma-separated subset, e.g. config,weights,reference")
-    doc.add_argument("--reference", default="transformers", choices=["transformers", "none"])
-    doc.add_argument("--baseline", type=Path, default=None, help="compare layer by layer with this baseline")
-    doc.add_argument("--save-baseline", type=Path, default=None, help="write this run's baseline here")
-    doc.add_argument("--report", type=Path, default=None, help="write the JSON report here")
-    doc.add_argument("--tensor-parallel-size", type=int, default=1, help="parallel stage: ranks to shard over")
-    doc.add_argument("--expert-parallel", action="store_true", help="parallel stage: whole experts per rank")
-    doc.add_argument("--serve-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                     help="serving stage: the dtype serve runs (its --dtype)")  # fmt: skip
-    doc.add_argument("--quantization", default="none", choices=["none", "int8", "int4"], help="serving stage")
-    doc.add_argument("--group-size", type=int, default=32, help="serving stage: int4 group size")
-    doc.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                     help="serving stage: the compiled step (default: as serve picks here)")  # fmt: skip
+    add_doctor_args(doc)
     doc.set_defaults(func=_doctor)
 
     chat = sub.add_parser("chat", help="a terminal client: chat with a running server")
@@ -383,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=chat_client.run)
 
     route = sub.add_parser("route", help="a cache-aware front for N serve replicas (each turn goes where its cache is)")
-    route.add_argument("--host", default="127.0.0.1")
+    route.add_argument("--host", default=ServeOptions.host)
     route.add_argument("--port", type=int, default=8080)
     route.add_argument("--replica", action="append", default=[], required=True, help="a replica's URL (repeat)")
     route.set_defaults(func=_route)

@@ -73,7 +73,15 @@ async def delete_item(request: Request[Any, Any, Any], conv_id: str, item_id: st
 
 router = Router(
     path="/v1",
-    route_handlers=[create_conversation, get_conversation, update_conversation, delete_conversation, list_items,
-                    add_items, get_item, delete_item],
+    route_handlers=[
+        create_conversation,
+        get_conversation,
+        update_conversation,
+        delete_conversation,
+        list_items,
+        add_items,
+        get_item,
+        delete_item,
+    ],
     guards=[ready_guard],
-)  # fmt: skip
+)

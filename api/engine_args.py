@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from engine.engine import EngineConfig
+from engine.engine_config import EngineConfig
+from engine.loading.model_source import DEMO_MODEL
 
 log = logging.getLogger("longctx.cli")
 
@@ -23,10 +24,15 @@ def parse_bytes(text: str) -> int:
     return int(float(t))
 
 
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="directory, .gguf file, pulled name or repo id")
+    """The flags of every command that runs the engine; defaults are `EngineConfig`'s."""
+    p.add_argument("--model", default=DEMO_MODEL, help="directory, .gguf file, pulled name or repo id")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=default_device())
     p.add_argument(
         "--quantization",
         default="none",
@@ -34,52 +40,86 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="weight-only quantization of every linear (CPU): int8 per channel, int4 per group",
     )
     p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128], help="int4 group size")
-    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=parse_bytes("1GiB"), help="e.g. 512MiB, 4GB")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=EngineConfig.kv_cache_bytes, help="e.g. 512MiB, 4GB")
+    p.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="tokens per KV page")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, help="token budget per step"
+    )
     p.add_argument(
         "--max-prefill-tokens-per-request",
         type=int,
-        default=None,
+        default=EngineConfig.max_prefill_tokens_per_request,
         help="a prompt's share of the step budget while others wait (default: half the budget)",
     )
-    p.add_argument("--max-queued", type=int, default=256, help="requests queued before new ones are refused")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument(
-        "--hf-overrides", default=None, metavar="JSON",
+        "--max-queued", type=int, default=EngineConfig.max_queued, help="requests queued before new ones are refused"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="requests running at once")
+    p.add_argument(
+        "--max-model-len", type=int, default=EngineConfig.max_model_len, help="context length (default: the model's)"
+    )
+    p.add_argument(
+        "--hf-overrides",
+        default=None,
+        metavar="JSON",
         help='config values merged in before loading, e.g. \'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
         '"original_max_position_embeddings": 8192}, "max_position_embeddings": 32768}\'',
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--chat-template", default=None, metavar="FILE|chatml|none",
+        "--chat-template",
+        default=None,
+        metavar="FILE|chatml|none",
         help="a Jinja chat template file, the built-in chatml, or none (chat requests refused); default: the "
         "checkpoint's, or chatml with a warning when it has none",
-    )  # fmt: skip
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_paged", "flashinfer"])
-    p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0 = torch's default, or cores/N)")
-    p.add_argument("--host-cache-bytes", type=parse_bytes, default=0, help="host KV tier budget (0 = none)")
-    p.add_argument(
-        "--kv-redis-url", default=None, help="Redis KV tier, e.g. redis://127.0.0.1:6379/1 (serve: `none` = off)"
     )
-    p.add_argument("--kv-redis-ttl", type=int, default=86_400, help="seconds a KV page lives in Redis unused")
     p.add_argument(
-        "--kv-redis-max-pending-bytes", type=parse_bytes, default=parse_bytes("256MiB"),
+        "--attention-backend", default=EngineConfig.attention_backend, choices=["auto", "torch_paged", "flashinfer"]
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=EngineConfig.threads,
+        help="CPU threads per rank (0 = torch's default, or cores/N)",
+    )
+    p.add_argument(
+        "--host-cache-bytes",
+        type=parse_bytes,
+        default=EngineConfig.host_cache_bytes,
+        help="host KV tier budget (0 = none)",
+    )
+    p.add_argument(
+        "--kv-redis-url",
+        default=EngineConfig.kv_redis_url,
+        help="Redis KV tier, e.g. redis://127.0.0.1:6379/1 (serve: `none` = off)",
+    )
+    p.add_argument(
+        "--kv-redis-ttl", type=int, default=EngineConfig.kv_redis_ttl, help="seconds a KV page lives in Redis unused"
+    )
+    p.add_argument(
+        "--kv-redis-max-pending-bytes",
+        type=parse_bytes,
+        default=EngineConfig.kv_redis_max_pending_bytes,
         help="KV pages waiting to be written to Redis; more are dropped, never waited for",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--kv-lookup-timeout", type=float, default=5.0,
+        "--kv-lookup-timeout",
+        type=float,
+        default=EngineConfig.kv_lookup_timeout_s,
         help="seconds a request may wait for KV pages from the host/Redis tiers (less when recomputing is faster)",
-    )  # fmt: skip
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"], help="storage dtype of the KV tiers")
+    )
+    p.add_argument(
+        "--kv-dtype", default=EngineConfig.kv_dtype, choices=["auto", "int8"], help="storage dtype of the KV tiers"
+    )
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over (spawned unless torchrun)"
     )
     p.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="torch.compile the decode step (steps of <= 64 tokens); default: on when a C++ compiler "
         "and the Python headers are present (CPU, one process), else eager",
-    )  # fmt: skip
+    )
     p.add_argument("--expert-parallel", action="store_true", help="MoE: whole experts per rank, tokens dispatched")
 
 
@@ -87,7 +127,7 @@ def want_compile(args: argparse.Namespace) -> bool:
     """`--compile` / `--no-compile`, or the default: compile where it can build (one warning if not)."""
     from engine.model.compile_setup import compile_available
 
-    asked = getattr(args, "compile", None)
+    asked = args.compile
     if asked is False:
         return False
     missing = compile_available()

@@ -9,69 +9,16 @@ background jobs wait in Redis and do not.
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
-
-from api.errors import ErrorSpec, register, retry_after_headers
 from api.state import ServerState
+from api.tenant_queue import TenantOverloaded, TenantQueue
 
-QUEUE = "tenant_queue"  # ServerState.extras key
-
-
-class TenantOverloaded(RuntimeError):
-    """The tenant already holds its share of waiting requests; nothing was queued."""
-
-    def __init__(self, tenant: str, limit: int, retry_after_s: float = 1.0):
-        self.tenant, self.limit, self.retry_after_s = tenant, limit, retry_after_s
-        super().__init__(f"this API key's tenant already has {limit} requests waiting (the per-tenant limit)")
+__all__ = ["TenantOverloaded", "TenantQueue", "configure", "tenant_queue"]
 
 
-register("TenantOverloaded", ErrorSpec(429, "rate_limit_error", "tenant_overloaded", headers=retry_after_headers))
-
-
-class TenantQueue:
-    """Counts each tenant's waiting requests (any thread)."""
-
-    def __init__(self, limit: int):
-        if limit < 1:
-            raise ValueError(f"--max-queued-per-tenant must be >= 1, got {limit}")
-        self.limit = limit
-        self._waiting: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def enter(self, tenant: str) -> None:
-        """One more waiting request of `tenant`; TenantOverloaded past the limit."""
-        with self._lock:
-            if self._waiting[tenant] >= self.limit:
-                raise TenantOverloaded(tenant, self.limit)
-            self._waiting[tenant] += 1
-
-    def leave(self, tenant: str) -> None:
-        with self._lock:
-            self._waiting[tenant] -= 1
-            if self._waiting[tenant] <= 0:
-                del self._waiting[tenant]
-
-    def waiting(self, tenant: str) -> int:
-        with self._lock:
-            return self._waiting[tenant]
-
-    def snapshot(self) -> dict[str, int]:
-        """Each tenant's waiting requests (tenants with none are left out)."""
-        with self._lock:
-            return dict(self._waiting)
-
-
-def default_per_tenant(max_queued: int, asked: int | None) -> int:
-    """`--max-queued-per-tenant`, or half of `--max-queued` (at least 1)."""
-    return asked if asked is not None else max(1, max_queued // 2)
-
-
-def configure(state: ServerState, max_queued: int, per_tenant: int | None) -> None:
+def configure(state: ServerState) -> None:
     """Install the per-tenant queue routes read through `tenant_queue`."""
-    state.extras[QUEUE] = TenantQueue(default_per_tenant(max_queued, per_tenant))
+    state.tenant_queue = TenantQueue(state.options.per_tenant_queue)
 
 
 def tenant_queue(state: ServerState) -> TenantQueue | None:
-    queue: TenantQueue | None = state.extras.get(QUEUE)
-    return queue
+    return state.tenant_queue

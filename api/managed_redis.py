@@ -160,8 +160,11 @@ class ManagedRedis:
             if self._wait_answering(timeout_s=30):
                 log.info(
                     "managed redis-server (%s) pid %d at %s: shared with %d other server(s)",
-                    self.name, self.pid(), self.url, len(users),
-                )  # fmt: skip
+                    self.name,
+                    self.pid(),
+                    self.url,
+                    len(users),
+                )
             elif self.pid() is not None:
                 raise RuntimeError(f"managed redis-server ({self.name}) pid {self.pid()} does not answer at {self.url}")
             else:
@@ -202,9 +205,12 @@ class ManagedRedis:
                 raise RuntimeError(f"redis-server ({self.name}) did not start; see {self.logfile}: {' '.join(cmd)}")
             time.sleep(0.02)
         log.info(
-            "started managed redis-server (%s) pid %d at %s in %.2fs", self.name, proc.pid, self.url,
+            "started managed redis-server (%s) pid %d at %s in %.2fs",
+            self.name,
+            proc.pid,
+            self.url,
             time.perf_counter() - t0,
-        )  # fmt: skip
+        )
 
     def _stop_server(self) -> None:
         pid = self.pid()

@@ -24,7 +24,10 @@ import logging
 import os
 import shutil
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.engine_config import EngineConfig
 
 API_THREADS_SMALL, API_THREADS_LARGE = 1, 2
 SMALL_MACHINE_CORES = 4
@@ -56,39 +59,49 @@ def load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from engine.loading.overrides import parse_overrides
 
     return dict(
-        spec=args.model, dtype=args.dtype, device=args.device, progress=False, quantization=args.quantization,
-        group_size=args.group_size, hf_overrides=parse_overrides(getattr(args, "hf_overrides", None)),
-        chat_template=getattr(args, "chat_template", None),
-    )  # fmt: skip
+        spec=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        progress=False,
+        quantization=args.quantization,
+        group_size=args.group_size,
+        hf_overrides=parse_overrides(args.hf_overrides),
+        chat_template=args.chat_template,
+    )
 
 
-def core_spec(args: argparse.Namespace, engine_threads: int) -> Any:
-    """The engine process's `LoadSpec` for the serve flags."""
-    from api.engine_args import engine_config
+def core_spec(args: argparse.Namespace, config: EngineConfig) -> Any:
+    """The engine process's `LoadSpec`: the model flags' load, and `config` (its threads placed)."""
     from engine.process.main import LoadSpec
 
-    config = engine_config(args, threads=engine_threads)
     level = logging.getLogger("longctx").getEffectiveLevel()
-    return LoadSpec(load=load_kwargs(args), config=config, threads=engine_threads, log_level=level)
+    return LoadSpec(load=load_kwargs(args), config=config, threads=config.threads, log_level=level)
 
 
 class ModelLoad:
-    """The engine process for the serve flags, started at once (it loads while we import)."""
+    """The engine process for the serve flags, started at once (it loads while we import).
 
-    def __init__(self, args: argparse.Namespace):
+    Args:
+        config: the engine's settings, `threads` already placed (`placement`).
+    """
+
+    def __init__(self, args: argparse.Namespace, config: EngineConfig):
         from engine.process.client import EngineClient
 
         self.args = args
         self.started_at = time.perf_counter()
-        self.engine_threads, self.api_threads = placement(args.threads)
-        self.client = EngineClient(core_spec(args, self.engine_threads), engine_wait_policy())
+        self.engine_threads, self.api_threads = placement(config.threads)
+        self.client = EngineClient(core_spec(args, config), engine_wait_policy())
         logging.getLogger("longctx.serve").info(
             "engine process %d: %d torch threads; API process: %d (of %d cores)",
-            self.client.pid, self.engine_threads, self.api_threads, cores(),
-        )  # fmt: skip
+            self.client.pid,
+            self.engine_threads,
+            self.api_threads,
+            cores(),
+        )
 
     @classmethod
-    def start(cls, args: argparse.Namespace) -> ModelLoad | None:
+    def start(cls, args: argparse.Namespace, config: EngineConfig) -> ModelLoad | None:
         """Started only when `serve` will get as far as loading (its early checks would pass);
         otherwise None, and the checks report the problem."""
         from engine.loading.model_source import resolve_model
@@ -101,7 +114,7 @@ class ModelLoad:
             resolve_model(args.model)
         except Exception:
             return None
-        return cls(args)
+        return cls(args, config)
 
     def imported(self) -> None:
         """The command's thread has done its imports (kept for the caller; the load is elsewhere)."""
@@ -114,14 +127,3 @@ class ModelLoad:
     def wait(self) -> Any:
         """The `LoadedModel` without its weights (blocks until loaded); raises `EngineStartFailed`."""
         return self.client.wait_phase("loaded")
-
-
-def load_model(args: argparse.Namespace, before_tokenizer: Any = None) -> Any:
-    """The whole model in this process (for commands that run the engine in process)."""
-    from engine.loading.loader import load
-
-    if args.threads:  # loading (dequantizing, packing) runs on torch's threads too
-        import torch
-
-        torch.set_num_threads(args.threads)
-    return load(**load_kwargs(args), before_tokenizer=before_tokenizer)

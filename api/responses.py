@@ -33,7 +33,6 @@ from api.schemas import Compacted, Deleted, ErrorBody, ItemList
 from api.sse import sse_response
 from api.state import ServerState
 from api.ws import responses_socket
-from sessions.config import ServiceConfig, StoreConfig
 from sessions.items import ItemPage
 from sessions.models import Response
 from sessions.requests import CreateResponseBody, InvalidParam
@@ -51,8 +50,10 @@ register("RequestInProgress", ErrorSpec(409, code="request_in_progress"))
 
 
 def service(request: Request[Any, Any, Any]) -> SessionService:
-    svc: SessionService = request.app.state.server.extras["sessions"]
-    return svc
+    """The server's session service (routes run once the server is ready: it is built)."""
+    state: ServerState = request.app.state.server
+    assert state.sessions is not None
+    return state.sessions
 
 
 ERRORS = {
@@ -70,10 +71,10 @@ async def create_response(request: Request[Any, Any, Any], data: CreateResponseB
     """Create a response (the final one; SSE events when `stream` is true)."""
     started, who = time.perf_counter(), tenant(request)
     result = await service(request).create(who, data, request.headers.get("idempotency-key"))
-    if hasattr(result, "__aiter__"):
-        return cast(Response, sse_response(measured_events(result, who, started)))
-    METRICS.count_usage(who, getattr(result, "usage", None))
-    return cast(Response, result)
+    if isinstance(result, Response):
+        METRICS.count_usage(who, result.usage)
+        return result
+    return cast(Response, sse_response(measured_events(result, who, started)))
 
 
 @post("/responses/compact", status_code=200, responses=ERRORS)
@@ -93,13 +94,13 @@ async def retrieve_response(
         if not found.background:
             raise InvalidParam("stream", "only background responses keep their events; retrieve it without stream")
         return cast(Response, sse_response(svc.stream_events(tenant(request), resp_id, starting_after)))
-    return cast(Response, await svc.retrieve(tenant(request), resp_id))
+    return await svc.retrieve(tenant(request), resp_id)
 
 
 @post("/responses/{resp_id:str}/cancel", status_code=200, responses=ERRORS)
 async def cancel_response(request: Request[Any, Any, Any], resp_id: str) -> Response:
     """Cancel a background response."""
-    return cast(Response, await service(request).cancel(tenant(request), resp_id))
+    return await service(request).cancel(tenant(request), resp_id)
 
 
 @delete("/responses/{resp_id:str}", status_code=200, responses=ERRORS)
@@ -147,36 +148,27 @@ def setup(state: ServerState) -> None:
     async def start(state: ServerState) -> None:
         from tools.formats import detect_format, resolve_format
 
-        assert state.engine is not None and state.redis is not None and state.loaded is not None
+        engine, redis, loaded, grammar = state.engine, state.redis, state.loaded, state.grammar
+        assert engine is not None and redis is not None and loaded is not None and grammar is not None
         o = state.options
-        store = SessionStore(state.redis, StoreConfig(prefix=o.redis_prefix, state_ttl_s=o.state_ttl_s))
+        store = SessionStore(redis, o.store)
         await store.check_server()
         await store.compaction_secret()  # made at start, so that no request writes them
         await store.reasoning_key()
-        tok = state.loaded.tokenizer
+        tok = loaded.tokenizer
         fmt = detect_format(tok) if o.tool_call_format == "auto" else resolve_format(o.tool_call_format)
-        name = o.served_model_name or state.loaded.source.name
-        config = ServiceConfig(
-            model=name, max_output_tokens=o.max_output_tokens, hosted_tools=o.hosted_tools,  # type: ignore[arg-type]
-            kv_commit_wait_s=o.kv_commit_wait_ms / 1000, **o.generation,
-        )  # fmt: skip
-        svc = state.extras["sessions"] = SessionService(state.engine, store, tok, state.grammar, fmt, config)
+        svc = state.sessions = SessionService(engine, store, tok, grammar, fmt, o.service)
         svc.waiting = tenant_queue(state)  # foreground responses count as their tenant's waiting requests
-        if o.background_workers:
-            workers = state.extras["background"] = BackgroundWorkers(
-                svc,
-                o.background_workers,
-                heartbeat_s=min(10.0, o.job_claim_idle_s / 3),
-                claim_idle_s=o.job_claim_idle_s,
-            )
-            state.extras["workers"] = asyncio.create_task(workers.run(), name="background-workers")
+        if o.workers.workers:
+            workers = state.workers = BackgroundWorkers(svc, o.workers)
+            state.workers_task = asyncio.create_task(workers.run(), name="background-workers")
             state.on_drain.append(workers.stop_claiming)
         loop = asyncio.get_running_loop()
 
         def stop_turns() -> None:
-            if "stopping" not in state.extras:  # the task is kept until the process ends
+            if state.stopping is None:  # the task is kept until the process ends
                 log.info("shutdown: stopping the foreground responses still running")
-                state.extras["stopping"] = loop.create_task(svc.stop_foreground(5.0))
+                state.stopping = loop.create_task(svc.stop_foreground(5.0))
 
         def stop_turns_later() -> None:  # on the loop, soon after the signal
             loop.call_later(max(0.0, state.grace_left() - stop_margin_s(o.shutdown_grace_s)), stop_turns)
@@ -187,8 +179,8 @@ def setup(state: ServerState) -> None:
         state.on_drain.append(on_drain)
 
     async def stop(state: ServerState) -> None:
-        workers: BackgroundWorkers | None = state.extras.pop("background", None)
-        task = state.extras.pop("workers", None)
+        workers, task = state.workers, state.workers_task
+        state.workers = state.workers_task = None
         if workers is not None:
             workers.stop_claiming()
             await workers.drain(state.grace_left())
@@ -196,9 +188,8 @@ def setup(state: ServerState) -> None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        svc: SessionService | None = state.extras.get("sessions")
-        if svc is not None:
-            stopped = await svc.stop_foreground(5.0)
+        if state.sessions is not None:
+            stopped = await state.sessions.stop_foreground(5.0)
             if stopped:
                 log.info("%d foreground responses stopped by the shutdown (incomplete)", stopped)
 

@@ -9,7 +9,7 @@ are used as they are.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -98,10 +98,11 @@ class ItemsBody(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionBody(msgspec.Struct, kw_only=True):
-    """`POST /v1/chat/completions` as sent; `api.chat.plan` checks the values."""
+    """`POST /v1/chat/completions` as sent: decoding checks every field's type and range (a 400
+    naming it); `api.chat.ask_of` checks what types cannot say."""
 
     model: str | None = None
-    messages: list[Any] | None = None
+    messages: list[dict[str, Any]] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -109,24 +110,20 @@ class ChatCompletionBody(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     seed: int | None = None
-    stop: str | list[Any] | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    stop: str | Annotated[list[str], msgspec.Meta(max_length=4)] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
     n: int | None = None
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
-
-    def given(self) -> dict[str, Any]:
-        """The fields sent with a value."""
-        return {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not None}
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):
@@ -141,7 +138,7 @@ class ToolCall(msgspec.Struct, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    role: Literal["assistant"] = "assistant"
+    role: Literal["assistant"]  # no default: omit_defaults would leave it out
     content: str | None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None

@@ -29,18 +29,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psutil
 import uvicorn
 
 from api import auth, limits
-from api.app import MAX_BODY_BYTES, create_app
+from api.app import create_app
 from api.managed_redis import INSTALL_HINT, ManagedRedis, cache_args, state_args
 from api.model_load import ModelLoad
 from api.state import ServeOptions, ServerState
-from sessions.config import generation_defaults
 
 if TYPE_CHECKING:
     from engine.verify.self_check import CompileReport
@@ -97,8 +95,11 @@ async def _in_thread(fn: Callable[[], T]) -> T:
 class Startup:
     """The startup phases for one `longctx serve` process; `managed` lists the Redis instances to release."""
 
-    def __init__(self, args: argparse.Namespace, server: _Server, model: ModelLoad | None = None):
-        self.args = args
+    def __init__(
+        self, args: argparse.Namespace, options: ServeOptions, server: _Server, model: ModelLoad | None = None
+    ):
+        self.args = args  # the model's flags, for a load not started with the command
+        self.options = options
         self.server = server
         self.model = model  # already loading (`api.model_load`), or None: loaded in the model phase
         self.managed: list[ManagedRedis] = []
@@ -106,9 +107,9 @@ class Startup:
         self.exit_code = 0
 
     def _redis(self, state: ServerState) -> None:
-        args = self.args
-        kv_flag = args.kv_redis_url
-        if args.redis_url is None:
+        o = self.options
+        kv_flag = o.engine.kv_redis_url
+        if self.args.redis_url is None:
             from engine.loading.model_source import longctx_home
 
             root = longctx_home() / "redis"
@@ -116,16 +117,16 @@ class Startup:
             instance.acquire()
             self.managed.append(instance)
             if kv_flag is None:
-                kv = ManagedRedis(root, "kv", cache_args(root / "kv", args.kv_redis_max_memory))
+                kv = ManagedRedis(root, "kv", cache_args(root / "kv", o.kv_redis_max_memory))
                 kv.acquire()
                 self.managed.append(kv)
                 kv_flag = kv.url
         elif kv_flag is None:
-            kv_flag = args.redis_url
+            kv_flag = o.redis_url
             log.info(
                 "KV pages go to the state Redis under a %d s TTL; a separate cache instance "
                 "(--kv-redis-url, maxmemory with allkeys-lru) keeps them from crowding out state",
-                args.kv_redis_ttl,
+                o.engine.kv_redis_ttl,
             )
         self.kv_redis_url = None if kv_flag == "none" else kv_flag
         import redis
@@ -145,7 +146,7 @@ class Startup:
         """The engine process's `loaded` phase: the model's tokenizer, config and load stats (its
         weights stay in the engine process)."""
         if self.model is None:
-            self.model = ModelLoad(self.args)
+            self.model = ModelLoad(self.args, self.options.engine)
         return self.model.wait()
 
     def _engine(self, loaded: Any, state: ServerState) -> tuple[Any, Any]:
@@ -154,11 +155,11 @@ class Startup:
         from tools.grammar import GrammarCompiler
 
         assert self.model is not None
-        args, client = self.args, self.model.client
+        config, client = self.options.engine, self.model.client
         torch.set_num_threads(self.model.api_threads)
         client.on_death = lambda reason: self._engine_died(state, reason)
         client.tokenizer = loaded.tokenizer
-        client.build(self.kv_redis_url, f"{args.redis_prefix}:kv", not args.no_prefix_cache)
+        client.build(self.kv_redis_url, config.kv_redis_prefix, config.enable_prefix_caching)
         grammar = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size)
         return client, grammar
 
@@ -225,8 +226,6 @@ class Startup:
             await self._phase(state, "redis", lambda: _in_thread(lambda: self._redis(state)))
             loaded = await self._phase(state, "model", lambda: _in_thread(self._model))
             state.loaded = loaded
-            if not state.options.served_model_name:
-                state.options = replace(state.options, served_model_name=loaded.source.name)
             building = lambda: _in_thread(lambda: self._engine(loaded, state))  # noqa: E731
             engine, grammar = await self._phase(state, "engine", building)
             with state.lock:
@@ -249,11 +248,11 @@ class Startup:
         state.phase, state.ready = "ready", True
         total = time.perf_counter() - state.started_at
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in state.phase_seconds.items())
-        url = f"http://{self.args.host}:{self.args.port}/v1"
+        url = f"http://{self.options.host}:{self.options.port}/v1"
         since_start = time.time() - psutil.Process().create_time()  # the imports included
         log.info(
             "ready in %.2fs, %.1fs after the process started (%s): serving %s at %s",
-            total, since_start, phases, state.options.served_model_name, url,
+            total, since_start, phases, state.options.service.model, url,
         )  # fmt: skip
 
     def release(self) -> None:
@@ -268,6 +267,7 @@ class Startup:
 
 def run(
     args: argparse.Namespace,
+    options: ServeOptions,
     routes: list[Any] | None = None,
     setup: Callable[[ServerState], None] | None = None,
     model: ModelLoad | None = None,
@@ -275,6 +275,8 @@ def run(
     """`longctx serve`. Returns the exit code (2: bad flags or no redis-server; 1: startup failed).
 
     Args:
+        args: the model's flags (`api.model_load`), for a model not already loading.
+        options: the settings the flags asked for (`api.serve_args.serve_options`).
         routes: the API's route handlers (routers, controllers).
         setup: called with the fresh state before the server starts; route modules append
             their resources' `on_startup` hooks (run in the `routes` phase, once the engine is
@@ -282,60 +284,34 @@ def run(
         model: the model, already loading since the command started (`api.model_load`); the
             model phase waits for it. None: the model phase loads it.
     """
-    from engine.loading.model_source import resolve_model
-
     if args.tensor_parallel_size > 1 or args.expert_parallel:
         raise ValueError("serve does not support --tensor-parallel-size/--expert-parallel yet")
     if args.redis_url is None and shutil.which("redis-server") is None:
         print(f"longctx: error: {INSTALL_HINT}", flush=True, file=sys.stderr)
         return 2
-    resolve_model(args.model)  # a missing model stops here, before the port is bound
-    if args.redis_url is None:
-        from engine.loading.model_source import longctx_home
-
-        redis_url = f"unix://{longctx_home() / 'redis' / 'state.sock'}"
-    else:
-        redis_url = args.redis_url
-    options = ServeOptions(
-        redis_url=redis_url,
-        redis_prefix=args.redis_prefix,
-        state_ttl_s=args.state_ttl,
-        background_workers=args.background_workers,
-        job_claim_idle_s=getattr(args, "job_claim_idle_s", 30.0),
-        kv_commit_wait_ms=getattr(args, "kv_commit_wait_ms", 50.0),
-        max_output_tokens=args.max_output_tokens,
-        served_model_name=args.served_model_name or "",
-        tool_call_format=args.tool_call_format,
-        shutdown_grace_s=getattr(args, "shutdown_grace_s", 10),
-        hosted_tools=getattr(args, "hosted_tools", "ignore"),
-        generation=generation_defaults(getattr(args, "override_generation_config", None)),
-    )
     state = ServerState(options)
     try:
-        auth.configure(state, getattr(args, "api_keys_file", None), args.host)
-        limits.configure(state, args.max_queued, getattr(args, "max_queued_per_tenant", None))
-    except (auth.KeysFileError, ValueError) as e:
+        auth.configure(state)
+        limits.configure(state)
+    except auth.KeysFileError as e:
         print(f"longctx: error: {e}", flush=True, file=sys.stderr)
         return 2
     if setup is not None:
         setup(state)
     holder: list[Startup] = []
-    app = create_app(
-        state, routes or [], start=lambda s: holder[0].run(s), debug=args.verbose,
-        max_body_bytes=getattr(args, "max_body_bytes", MAX_BODY_BYTES),
-    )  # fmt: skip
+    app = create_app(state, routes or [], start=lambda s: holder[0].run(s), debug=args.verbose)
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
+        host=options.host,
+        port=options.port,
         log_config=None,
         access_log=args.verbose,
         timeout_graceful_shutdown=math.ceil(options.shutdown_grace_s),
     )
     server = _Server(config, state)
-    startup = Startup(args, server, model)
+    startup = Startup(args, options, server, model)
     holder.append(startup)
-    log.info("serving on http://%s:%d (/health at once, /ready once the model is warm)", args.host, args.port)
+    log.info("serving on http://%s:%d (/health at once, /ready once the model is warm)", options.host, options.port)
     try:
         server.run()
     except SystemExit as e:  # uvicorn could not bind the port

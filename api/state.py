@@ -2,25 +2,34 @@
 
 `ServerState` is filled by the startup phases (`api/serve.py`) on a loader thread while the
 HTTP port already answers, and emptied by the app's lifespan on shutdown. Routes read it
-from `request.app.state.server`; they may use `engine`, `redis` and `grammar` only once
-`ready` is set (`require_ready` raises `NotReady`, a 503, before that).
+from `request.app.state.server`; they may use `engine`, `redis`, `grammar` and `sessions` only
+once `ready` is set (`require_ready` raises `NotReady`, a 503, before that).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.engine_config import EngineConfig
+from sessions.config import ServiceConfig, StoreConfig, WorkerConfig
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
+    from api.tenant_queue import TenantQueue
     from engine.loading.loader import LoadedModel
     from engine.process.client import EngineClient
     from engine.verify.self_check import CompileReport
+    from sessions.service import SessionService
+    from sessions.tasks import BackgroundWorkers
+    from tools.grammar import GrammarCompiler
 
 Hook = Callable[["ServerState"], Awaitable[None]]
 
@@ -31,43 +40,52 @@ class NotReady(RuntimeError):
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """The `longctx serve` settings that routes and the session layer read.
+    """`longctx serve`'s settings, built once from its flags (`api.serve_args.serve_options`) and
+    handed down whole: each layer takes its own config object from here as it is.
 
     Args:
         redis_url: the state Redis (the managed one's unix socket URL in managed mode).
-        redis_prefix: prefix `P` of every state key.
-        state_ttl_s: expiry of conversations and responses, refreshed by writes.
-        background_workers: background-job workers per process.
-        job_claim_idle_s: `--job-claim-idle-s` (`sessions.tasks.BackgroundWorkers`).
-        kv_commit_wait_ms: `--kv-commit-wait-ms` (`sessions.config.ServiceConfig.kv_commit_wait_s`).
-        max_output_tokens: cap on a response's output tokens (the default when none is asked).
-        served_model_name: the `model` the server answers to and reports.
+        store: the session store's (`--redis-prefix`, `--state-ttl`).
+        service: the session service's (the served model name, `--max-output-tokens`,
+            `--hosted-tools`, `--kv-commit-wait-ms`, `--override-generation-config`).
+        workers: the background workers' (`--background-workers`, `--job-claim-idle-s`).
+        engine: the engine's (the engine flags; `kv_redis_url` is `--kv-redis-url` as given, the
+            Redis phase settles the tier's URL).
         tool_call_format: `auto` (from the chat template) or a format name (`tools.formats`).
         shutdown_grace_s: on SIGTERM, how long streams and background jobs may take to finish.
-        hosted_tools: `--hosted-tools` (`sessions.config.ServiceConfig`).
-        generation: default `temperature` / `top_p` of requests that give none.
+        max_body_bytes: the largest request body (over: 413).
+        max_queued_per_tenant: waiting requests per tenant (None: half of `engine.max_queued`).
+        api_keys_file: 'KEY TENANT' lines (None: no auth, loopback only).
+        kv_redis_max_memory: maxmemory of the managed KV-cache Redis.
+        host, port: where the HTTP server listens.
     """
 
     redis_url: str
-    redis_prefix: str = "lc"
-    state_ttl_s: int = 30 * 86_400
-    background_workers: int = 2
-    job_claim_idle_s: float = 30.0
-    kv_commit_wait_ms: float = 50.0
-    max_output_tokens: int = 4096
-    served_model_name: str = ""
+    store: StoreConfig = field(default_factory=StoreConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    workers: WorkerConfig = field(default_factory=WorkerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     tool_call_format: str = "auto"
     shutdown_grace_s: float = 10.0
-    hosted_tools: str = "ignore"
-    generation: dict[str, float] = field(default_factory=dict)  # `--override-generation-config`
+    max_body_bytes: int = 8 << 20
+    max_queued_per_tenant: int | None = None
+    api_keys_file: Path | None = None
+    kv_redis_max_memory: int = 2 << 30
+    host: str = "127.0.0.1"
+    port: int = 8000
 
     def __post_init__(self) -> None:
-        if not self.redis_prefix or any(c.isspace() for c in self.redis_prefix):
-            raise ValueError(f"--redis-prefix must be non-empty without spaces, got {self.redis_prefix!r}")
-        if self.state_ttl_s < 1 or self.max_output_tokens < 1 or self.background_workers < 0:
-            raise ValueError("--state-ttl and --max-output-tokens must be >= 1, --background-workers >= 0")
-        if self.job_claim_idle_s <= 0 or self.kv_commit_wait_ms < 0:
-            raise ValueError("--job-claim-idle-s must be > 0 and --kv-commit-wait-ms >= 0")
+        if self.shutdown_grace_s < 0 or self.max_body_bytes < 1:
+            raise ValueError("--shutdown-grace-s must be >= 0 and --max-body-bytes >= 1")
+        if self.max_queued_per_tenant is not None and self.max_queued_per_tenant < 1:
+            raise ValueError(f"--max-queued-per-tenant must be >= 1, got {self.max_queued_per_tenant}")
+
+    @property
+    def per_tenant_queue(self) -> int:
+        """`max_queued_per_tenant`, or half of the engine's `max_queued` (at least 1)."""
+        if self.max_queued_per_tenant is not None:
+            return self.max_queued_per_tenant
+        return max(1, self.engine.max_queued // 2)
 
 
 @dataclass
@@ -82,13 +100,19 @@ class ServerState:
     loaded: LoadedModel | None = None
     engine: EngineClient | None = None  # the engine process's client (`engine/process/client.py`)
     redis: Redis | None = None  # redis.asyncio client of the state Redis, bound to the server's loop
-    grammar: Any = None  # tools.grammar.GrammarCompiler for the model's tokenizer
+    grammar: GrammarCompiler | None = None  # for the model's tokenizer
     compile_report: CompileReport | None = None  # the compiled step's buckets and their self-check
     # Run on the event loop during the `routes` phase (e.g. build the session store and
     # service, start background workers) and, in reverse order, on shutdown.
     on_startup: list[Hook] = field(default_factory=list)
     on_shutdown: list[Hook] = field(default_factory=list)
-    extras: dict[str, Any] = field(default_factory=dict)  # resources the route modules add
+    # What the route modules add:
+    api_keys: dict[str, str] | None = None  # KEY -> TENANT (`api.auth`); None: no auth
+    tenant_queue: TenantQueue | None = None  # each tenant's waiting requests (`api.limits`)
+    sessions: SessionService | None = None  # the Responses service, once the routes phase built it
+    workers: BackgroundWorkers | None = None  # background-response workers, and the task running them
+    workers_task: asyncio.Task[None] | None = None
+    stopping: asyncio.Task[int] | None = None  # stops the foreground turns on SIGTERM (kept until exit)
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Called (from the signal handler: keep them short, no awaiting) when SIGTERM starts the drain.
     on_drain: list[Callable[[], None]] = field(default_factory=list)

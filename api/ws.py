@@ -33,6 +33,7 @@ from litestar.exceptions import WebSocketDisconnect
 from api.auth import tenant
 from api.errors import spec_for
 from api.metrics import METRICS
+from api.state import ServerState
 from sessions.errors import NotFound
 from sessions.items import Item
 from sessions.models import TERMINAL, Response
@@ -75,20 +76,35 @@ async def turn(socket: WebSocket[Any, Any, Any], raw: str, chain: Chain) -> None
         return await _error(socket, 400, "invalid_request_error", f"the message is not JSON: {e}", None, "invalid_json")
     if not isinstance(message, dict) or message.get("type") != "response.create":
         kind = message.get("type") if isinstance(message, dict) else None
-        return await _error(socket, 400, "invalid_request_error", f"unknown client event type {kind!r}; expected "
-                            "response.create", "type", "unknown_event")  # fmt: skip
+        return await _error(
+            socket,
+            400,
+            "invalid_request_error",
+            f"unknown client event type {kind!r}; expected response.create",
+            "type",
+            "unknown_event",
+        )
     body = message["response"] if isinstance(message.get("response"), dict) else message
     body = {k: v for k, v in body.items() if k not in ("type", "stream")}
     if body.get("background"):
-        return await _error(socket, 400, "invalid_request_error", "background responses are not supported over a "
-                            "WebSocket", "background", None)  # fmt: skip
+        return await _error(
+            socket,
+            400,
+            "invalid_request_error",
+            "background responses are not supported over a WebSocket",
+            "background",
+            None,
+        )
     prev = body.get("previous_response_id")
     continues = prev is not None and prev == chain.id
     history = chain.items if continues and not chain.stored else None
-    svc = socket.app.state.server.extras["sessions"]
+    state: ServerState = socket.app.state.server
+    svc = state.sessions
+    assert svc is not None  # the route runs once the server is ready
     try:
         req = decode_request(body | {"stream": True})
         events = await svc.create(tenant(socket), req, history=history)
+        assert not isinstance(events, Response), "a streamed request gets its events"
     except Exception as e:
         if continues:
             chain.clear()

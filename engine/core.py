@@ -18,8 +18,6 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
-from typing import cast
 
 import torch
 
@@ -52,6 +50,13 @@ from kvstore.block_pool import BlockPool
 from kvstore.tiers import TieredStore
 
 log = logging.getLogger("longctx.engine")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """An inbox message: end this request (a new request arrives as its `Request`)."""
+
+    request_id: str
 
 
 class EngineCore:
@@ -92,26 +97,20 @@ class EngineCore:
         self.runner = runner
         self.kv_cache = runner.kv_cache
         self.kv_spec = runner.kv_cache.spec  # this rank's heads
+        assert self.kv_spec.page_size == config.page_size, "the runner's KV cache has another page size"
         self.namespace = kv_namespace(model, self.kv_spec, config.kv_dtype, fingerprint, parallel)
         self.store: TieredStore | None = None
         if connector is None and (config.host_cache_bytes or config.kv_redis_url):
-            connector = self.store = build_tiers(
-                self.kv_cache, self.namespace, config.host_cache_bytes, config.kv_redis_url, config.kv_redis_ttl,
-                config.kv_redis_prefix, config.kv_redis_max_pending_bytes,
-            )  # fmt: skip
+            connector = self.store = build_tiers(self.kv_cache, self.namespace, config)
         self.connector: KVConnector = connector or NoConnector()
         self.pool = BlockPool(self.kv_cache.num_pages, on_evict=self.connector.evict)
         self.prefill_rate = PrefillRate()  # what recomputing costs, against a tier lookup's wait
         self.reclaim_window = reclaim_window(self.model_config)
         self.scheduler = Scheduler(
             self.pool,
-            self.kv_spec.page_size,
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
+            config,
             namespace=self.namespace if config.enable_prefix_caching else None,
             connector=self.connector,
-            lookup_timeout_s=config.kv_lookup_timeout_s,
-            max_prefill_tokens_per_request=config.max_prefill_tokens_per_request,
             recompute_s=self.prefill_rate.seconds,
             window=self.reclaim_window,
         )
@@ -126,22 +125,29 @@ class EngineCore:
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.sampler, self.grammar_hook, self.eos_token_ids, self.stats)
         self._requests: dict[str, Request] = {}
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Request | AbortRequest] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self.admission = Admission(
-            config.max_queued, self.max_model_len, self.capacity_tokens, self.model_config.vocab_size,
-            tokenizer is not None,
-        )  # fmt: skip
+            config.max_queued,
+            self.max_model_len,
+            self.capacity_tokens,
+            self.model_config.vocab_size,
+            has_tokenizer=tokenizer is not None,
+        )
         self._snapshot = EngineSnapshot(free_pages=self.pool.num_free, total_pages=self.pool.num_pages)
+        pages, page_size = self.kv_cache.num_pages, self.kv_spec.page_size
         log.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %s); backend %s",
-            self.kv_cache.num_pages, self.kv_spec.page_size, self.kv_cache.num_pages * self.kv_spec.page_size,
+            pages,
+            page_size,
+            pages * page_size,
             self.kv_cache.num_bytes / 1e6,
-            self.kv_spec.dtype, runner.backend.name,
-        )  # fmt: skip
+            self.kv_spec.dtype,
+            runner.backend.name,
+        )
         self._log_windows()
 
     def _log_windows(self) -> None:
@@ -150,15 +156,17 @@ class EngineCore:
             log.info(
                 "every layer has a sliding window (at most %d tokens): a sequence releases its KV pages "
                 "behind the window as it advances and holds at most %d pages between steps",
-                self.reclaim_window, -(-self.reclaim_window // self.kv_spec.page_size) + 2,
-            )  # fmt: skip
+                self.reclaim_window,
+                -(-self.reclaim_window // self.kv_spec.page_size) + 2,
+            )
         elif windows:
             full = sum(w is None for w in windows)
             log.info(
                 "the model mixes full-attention (%d) and sliding-window (%d) layers: every KV page is kept, "
                 "since the full-attention layers read them all",
-                full, len(windows) - full,
-            )  # fmt: skip
+                full,
+                len(windows) - full,
+            )
 
     @property
     def capacity_tokens(self) -> int:
@@ -307,38 +315,42 @@ class EngineCore:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, item = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                assert isinstance(item, Request)
-                self.admission.track(item)
-                if item.id in self._requests:
-                    self.admission.started([item])
-                    self._push_final(item, FinishReason.ERROR, f"request id {item.id!r} already in use")
-                    continue
-                self._requests[item.id] = item
-                self.scheduler.add(item)
-            elif kind == "abort":
-                req = self._requests.get(str(item))
+            if isinstance(item, AbortRequest):
+                req = self._requests.get(item.request_id)
                 if req is not None:
                     self._end(req, FinishReason.ABORT)
-            elif kind == "query":  # from cached_prefix_tokens on another thread
-                hashes, answer = cast("tuple[list[bytes], Future[int]]", item)
-                answer.set_result(self._on_device(hashes))
+                continue
+            self.admission.track(item)
+            if item.id in self._requests:
+                self.admission.started([item])
+                self._push_final(item, FinishReason.ERROR, f"request id {item.id!r} already in use")
+                continue
+            self._requests[item.id] = item
+            self.scheduler.add(item)
 
     def _publish(self) -> None:
         s, st = self.scheduler, self.stats
         self._snapshot = EngineSnapshot(
-            len(s.running), len(s.waiting), len(s.loading), self.admission.queued, self.pool.num_free,
-            self.pool.num_pages,
-            s.num_preemptions, st.prompt_tokens_computed, st.generated_tokens, st.finished, st.steps,
-            {
-                r.id: r.pages.num_live
-                for r in itertools.chain(s.running, (i.request for i in s.loading), s.pinned)
+            running=len(s.running),
+            waiting=len(s.waiting),
+            loading=len(s.loading),
+            queued=self.admission.queued,
+            free_pages=self.pool.num_free,
+            total_pages=self.pool.num_pages,
+            preemptions=s.num_preemptions,
+            prompt_tokens_computed=st.prompt_tokens_computed,
+            generated_tokens=st.generated_tokens,
+            finished=st.finished,
+            steps=st.steps,
+            request_pages={
+                r.id: r.pages.num_live for r in itertools.chain(s.running, (i.request for i in s.loading), s.pinned)
             },
-            s.peak_request_pages, s.num_reclaimed_pages,
-        )  # fmt: skip
+            peak_request_pages=s.peak_request_pages,
+            reclaimed_pages=s.num_reclaimed_pages,
+        )
 
     def snapshot(self) -> EngineSnapshot:
         """The load as of the last step (any thread): an immutable copy the engine thread replaces
@@ -346,12 +358,6 @@ class EngineCore:
         read live: it is what `add_request` checks, and an idle engine publishes no step while a
         request added and aborted at once still counts until the engine thread drains it."""
         return dataclasses.replace(self._snapshot, queued=self.admission.queued)
-
-    def _on_device(self, hashes: list[bytes]) -> int:
-        n = 0
-        while n < len(hashes) and hashes[n] in self.pool.cached:
-            n += 1
-        return n
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or not self._inbox.empty()

@@ -12,10 +12,8 @@ import logging
 import queue
 import threading
 import uuid
-from concurrent.futures import Future
-from typing import cast
 
-from engine.core import EngineCore
+from engine.core import AbortRequest, EngineCore
 from engine.engine_config import EngineConfig
 from engine.model.vision.inputs import ImageInput
 from engine.request import (
@@ -27,7 +25,6 @@ from engine.sampling.grammar import Matcher
 from engine.sampling_params import SamplingParams
 from engine.scheduling.images import RequestImages
 from engine.surface import Generates
-from kvstore.prefix import max_cached_pages, page_hashes
 
 __all__ = ["Engine", "EngineConfig"]  # EngineConfig: its settings, imported from here too
 
@@ -67,7 +64,7 @@ class Engine(EngineCore, Generates):
 
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.skip_special_tokens)
             req.stopper = StopChecker(params.stop)
-        self.admission.submit(lambda: self._inbox.put(("add", req)))
+        self.admission.submit(lambda: self._inbox.put(req))
         self._wake.set()
         return handle
 
@@ -87,48 +84,8 @@ class Engine(EngineCore, Generates):
 
     def abort(self, request_id: str) -> None:
         """Stop a request; safe from any thread and from async code (never blocks)."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(AbortRequest(request_id))
         self._wake.set()
-
-    # ---- the loop (engine thread) ----
-
-    def cached_prefix_tokens(
-        self,
-        prompt_token_ids: list[int],
-        cache_salt: str = "",
-        timeout_s: float = 5.0,
-        images: list[ImageInput] | None = None,
-    ) -> int:
-        """How many leading tokens of this prompt would be served from the device pool, the host
-        tier or Redis rather than computed, without submitting it (an estimate: pages can come
-        and go before a request is admitted).
-
-        Thread-safe: the page hashes are computed on the calling thread; the device pool, owned
-        by the engine thread, is read by that thread (a query posted to its inbox and answered
-        between steps, at most `timeout_s` later, else counted as no device pages); the host and
-        Redis tiers answer the rest on the calling thread (`contains`: their own locks and
-        connection pool). Without `start()`, call it from the thread that steps the engine.
-        """
-        if not self.config.enable_prefix_caching:
-            return 0
-        ps = self.kv_spec.page_size
-        limit = max_cached_pages(len(prompt_token_ids), ps)
-        placed = self.request_images(prompt_token_ids, images)
-        extra = None if placed is None else lambda page: placed.page_extra(page, ps)
-        hashes = page_hashes(prompt_token_ids[: limit * ps], ps, self.namespace.salted(cache_salt), extra)
-        if self._thread is not None and self._thread.is_alive():
-            answer: Future[int] = Future()
-            self._inbox.put(("query", (hashes, answer)))
-            self._wake.set()
-            try:
-                on_device = answer.result(timeout_s)
-            except TimeoutError:
-                on_device = 0
-        else:
-            on_device = self._on_device(hashes)
-        contains = getattr(self.connector, "contains", None)  # optional on a KVConnector
-        below = contains(hashes[on_device:]) if contains is not None and on_device < len(hashes) else 0
-        return (on_device + below) * ps
 
     # ---- the thread ----
 
@@ -175,15 +132,12 @@ class Engine(EngineCore, Generates):
         else:
             while True:  # requests never drained hold nothing yet: only their consumers to release
                 try:
-                    kind, item = self._inbox.get_nowait()
+                    item = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if kind == "add" and isinstance(item, Request):
+                if isinstance(item, Request):
                     self.admission.leave()
                     self._push_final(item, FinishReason.ABORT)
-                elif kind == "query":
-                    hashes, answer = cast("tuple[list[bytes], Future[int]]", item)
-                    answer.set_result(self._on_device(hashes))
             for req in list(self._requests.values()):
                 self._end(req, FinishReason.ABORT)
             self._publish()

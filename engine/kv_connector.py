@@ -88,11 +88,6 @@ class KVConnector(Protocol):
 class NoConnector:
     """Nothing outside device memory."""
 
-    def contains(self, page_hashes: list[bytes]) -> int:
-        """A connector may also answer, from any thread and without loading anything, how many
-        of these leading pages it holds (`Engine.cached_prefix_tokens` uses it when present)."""
-        return 0
-
     def fetch(self, page_hashes: list[bytes], remote: bool = True) -> PendingFetch | None:
         return None
 

@@ -9,6 +9,7 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from engine.distributed.parallel import ParallelContext
+from engine.engine_config import EngineConfig
 from engine.model.config import ModelConfig
 from engine.model.model import CausalLM
 from kvstore.block_pool import BlockPool
@@ -50,9 +51,15 @@ def kv_namespace(
     stored = spec.dtype if kv_dtype == "auto" else kv_dtype
     config = model.config
     return Namespace(
-        config.architecture, fingerprint, spec.dtype, stored, spec.page_size, parallel.world_size, parallel.rank,
+        config.architecture,
+        fingerprint,
+        spec.dtype,
+        stored,
+        spec.page_size,
+        parallel.world_size,
+        parallel.rank,
         numerics=numerics_digest(config),
-    )  # fmt: skip
+    )
 
 
 def reclaim_window(config: ModelConfig) -> int | None:
@@ -64,22 +71,22 @@ def reclaim_window(config: ModelConfig) -> int | None:
     return max(w for w in windows if w is not None)
 
 
-def build_tiers(
-    kv_cache: KVCache,
-    namespace: Namespace,
-    host_cache_bytes: int,
-    redis_url: str | None,
-    redis_ttl: int,
-    redis_prefix: str,
-    redis_max_pending_bytes: int = 256 << 20,
-) -> TieredStore:
-    """The host tier (`host_cache_bytes`, 0 = none) and the Redis tier (`redis_url`, at most
-    `redis_max_pending_bytes` of pages queued for writing) behind the pool."""
-    if redis_url and not namespace.weights:
+def build_tiers(kv_cache: KVCache, namespace: Namespace, config: EngineConfig) -> TieredStore:
+    """The host tier (`host_cache_bytes`, 0 = none) and the Redis tier (`kv_redis_url`, at most
+    `kv_redis_max_pending_bytes` of pages queued for writing) behind the pool."""
+    if config.kv_redis_url and not namespace.weights:
         raise ValueError("the Redis KV tier needs the model's fingerprint (LoadStats.fingerprint)")
     codec = PageCodec(kv_cache.spec, namespace.kv_dtype, namespace.key)
-    redis = RedisTier(redis_url, codec, redis_ttl, redis_prefix, redis_max_pending_bytes) if redis_url else None
-    return TieredStore(kv_cache, codec, host_cache_bytes, redis)
+    redis = None
+    if config.kv_redis_url:
+        redis = RedisTier(
+            config.kv_redis_url,
+            codec,
+            config.kv_redis_ttl,
+            config.kv_redis_prefix,
+            config.kv_redis_max_pending_bytes,
+        )
+    return TieredStore(kv_cache, codec, config.host_cache_bytes, redis)
 
 
 def kv_stats(pool: BlockPool, scheduler: Scheduler, store: TieredStore | None) -> dict[str, dict[str, int]]:

@@ -95,6 +95,11 @@ class EngineStats:
             by_reason = dict(self.finished_by_reason)
             counters = (self.steps, self.prompt_tokens_computed, self.generated_tokens, self.finished)
         return StatsSnapshot(
-            *counters, by_reason, self.preemptions, self.ttft.snapshot(), self.inter_token.snapshot(),
-            self.queue_time.snapshot(), self.e2e.snapshot(),
-        )  # fmt: skip
+            *counters,
+            by_reason,
+            self.preemptions,
+            self.ttft.snapshot(),
+            self.inter_token.snapshot(),
+            self.queue_time.snapshot(),
+            self.e2e.snapshot(),
+        )

@@ -177,23 +177,6 @@ class RedisTier:
             if was_up:
                 log.warning("KV Redis lookups off for %.0f s (%s); recomputing instead", self.retry_s, e)
 
-    def count_prefix(self, page_hashes: list[bytes]) -> int:
-        """How many leading pages exist in Redis (pipelined EXISTS; values are not read or
-        verified); an error ends the count (the tier's health is left to the real lookups)."""
-        n = 0
-        try:
-            for start in range(0, len(page_hashes), KEYS_PER_PIPELINE):
-                pipe = self._reader.pipeline(transaction=False)
-                for h in page_hashes[start : start + KEYS_PER_PIPELINE]:
-                    pipe.exists(self.key(h))
-                for found in pipe.execute():
-                    if not found:
-                        return n
-                    n += 1
-        except redis.RedisError:
-            return n
-        return n
-
     def exists(self, page_hashes: list[bytes]) -> list[bool]:
         """Which of these pages exist (pipelined EXISTS; values not read); on an error, the rest
         count as missing (the tier's health is left to the real lookups)."""

@@ -67,13 +67,10 @@ class HostTier:
             self.num_bytes += len(payload)
             self.counters.stored += 1
 
-    def count_prefix(self, hashes: list[bytes]) -> int:
-        """How many of the leading `hashes` are held here (no LRU touch; any thread)."""
-        n = 0
+    def holds(self, page_hash: bytes) -> bool:
+        """Whether this page is held here (no LRU touch; any thread)."""
         with self._lock:
-            while n < len(hashes) and hashes[n] in self._pages:
-                n += 1
-        return n
+            return page_hash in self._pages
 
     def get_prefix(self, hashes: list[bytes]) -> list[bytes]:
         """Payloads of the leading `hashes` held here (stops at the first miss)."""
@@ -188,7 +185,7 @@ class TieredStore:
             if i not in known:  # probe this page and up to a batch before it (the walk goes back)
                 lo = max(0, i + 1 - PROBE_BATCH)
                 batch = hashes[lo : i + 1]
-                found = [self.host.count_prefix([h]) == 1 for h in batch]
+                found = [self.host.holds(h) for h in batch]
                 if redis is not None and not fetch.cancel.is_set():
                     missing = [j for j, f in enumerate(found) if not f]
                     for j, f in zip(missing, redis.exists([batch[j] for j in missing]), strict=True):
@@ -212,14 +209,6 @@ class TieredStore:
         if self.redis is None or not self.redis.readable():
             return 0.0  # host memory only: at hand
         return self.redis.fetch_cost_s(num_pages)
-
-    def contains(self, page_hashes: list[bytes]) -> int:
-        """How many leading pages the host tier, then Redis, hold (a probe: nothing is loaded or
-        verified). Thread-safe: the host tier's lock, redis-py's connection pool."""
-        n = self.host.count_prefix(page_hashes)
-        if n < len(page_hashes) and self.redis is not None and self.redis.readable():
-            n += self.redis.count_prefix(page_hashes[n:])
-        return n
 
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         if self.redis is None:

@@ -1,4 +1,6 @@
-"""Settings of the session store (`sessions.store`) and of the session service (`sessions.service`)."""
+"""Settings of the session store (`sessions.store`), the session service (`sessions.service`) and
+its background workers (`sessions.tasks`): each default is written here once, and `longctx serve`'s
+flags take theirs from these classes (`api.serve_args`)."""
 
 from __future__ import annotations
 
@@ -68,14 +70,42 @@ class ServiceConfig:
         if self.max_output_tokens < 1:
             raise ValueError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
         if not 0 <= self.temperature <= 2 or not 0 < self.top_p <= 1:
-            raise ValueError(f"default temperature must be in [0, 2] and top_p in (0, 1], got {self.temperature}, "
-                             f"{self.top_p}")  # fmt: skip
+            raise ValueError(
+                f"default temperature must be in [0, 2] and top_p in (0, 1], got {self.temperature}, {self.top_p}"
+            )
         if self.hosted_tools not in ("ignore", "reject"):
             raise ValueError(f"hosted_tools must be ignore or reject, got {self.hosted_tools!r}")
         if self.kv_commit_wait_s < 0:
             raise ValueError(f"kv_commit_wait_s must be >= 0, got {self.kv_commit_wait_s}")
         if self.lease_renew_s <= 0:
             raise ValueError(f"lease_renew_s must be > 0, got {self.lease_renew_s}")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Args:
+    workers: background-response workers per process (`--background-workers`; 0: none here).
+    claim_idle_s: a job whose worker sent no heartbeat for this long (its server died) is taken
+        over by another server (`--job-claim-idle-s`).
+    heartbeat_s: how often a running job heartbeats and stale jobs are looked for (None:
+        min(10 s, claim_idle_s / 3), so that a live worker is never taken for a dead one).
+    """
+
+    workers: int = 2
+    claim_idle_s: float = 30.0
+    heartbeat_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0, got {self.workers}")
+        if self.claim_idle_s <= 0:
+            raise ValueError(f"claim_idle_s must be > 0, got {self.claim_idle_s}")
+        if self.heartbeat_s is not None and self.heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+
+    @property
+    def heartbeat(self) -> float:
+        return self.heartbeat_s if self.heartbeat_s is not None else min(10.0, self.claim_idle_s / 3)
 
 
 GENERATION_KEYS = ("temperature", "top_p")

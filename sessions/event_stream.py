@@ -10,8 +10,8 @@ client disconnects) stops the turn: the engine request is aborted and the respon
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any, Protocol
 
 import msgspec
 
@@ -20,6 +20,18 @@ from sessions.store import SessionStore
 from sessions.turn import Turn
 
 _END: Any = object()
+
+
+class ResponseEvents(Protocol):
+    """A response's events in order, an async iterator: a foreground turn's (`EventStream`), a
+    background response's from the store (`stored_events`) or a finished one's (`replay`). A
+    consumer that leaves early calls `aclose`."""
+
+    def __aiter__(self) -> AsyncIterator[Event]: ...
+
+    def __anext__(self) -> Awaitable[Event]: ...
+
+    async def aclose(self) -> None: ...
 
 
 class EventStream(AsyncIterator[Event]):
@@ -72,7 +84,7 @@ class EventStream(AsyncIterator[Event]):
             self.turn.stop("client_disconnected")
 
 
-async def replay(events: list[Event]) -> AsyncIterator[Event]:
+async def replay(events: list[Event]) -> AsyncGenerator[Event, None]:
     """A stream of events already made (an idempotent repeat of a finished stream)."""
     for event in events:
         yield event
@@ -83,7 +95,7 @@ _FINAL = frozenset(TERMINAL_EVENTS.values())
 
 async def stored_events(
     store: SessionStore, tenant: str, resp_id: str, starting_after: int | None = None, block_ms: int = 5000
-) -> AsyncIterator[Event]:
+) -> AsyncGenerator[Event, None]:
     """A background response's events from the store (`store.events`) after `starting_after`,
     waiting for new ones until its terminal event (a response already final with no events
     left ends the stream too). NotFound for an unknown response."""

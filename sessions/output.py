@@ -122,8 +122,13 @@ class OutputAssembler:
             kind: Literal["function_call", "custom_tool_call"] = (
                 "custom_tool_call" if tool is not None and tool.kind == "custom" else "function_call"
             )
-            o = self._open = _Open(kind, len(self.items), new_id("ctc" if kind == "custom_tool_call" else "fc"),
-                                   call_id=event.id, name=event.name)  # fmt: skip
+            o = self._open = _Open(
+                kind,
+                len(self.items),
+                new_id("ctc" if kind == "custom_tool_call" else "fc"),
+                call_id=event.id,
+                name=event.name,
+            )
             self.items.append(self._call(o, "", "in_progress"))
             await w.item_added(o.index, self.items[-1])
         elif isinstance(event, ArgumentsDelta):

@@ -198,9 +198,16 @@ class PromptFitter:
         made = Compaction(id=new_id("cmp"), encrypted_content=sign(secret, Payload(summary or "", None)))
         output: list[Item] = [made, *items]
         usage = {
-            "input_tokens": counts[0], "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": counts[1], "output_tokens_details": {"reasoning_tokens": 0},
+            "input_tokens": counts[0],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": counts[1],
+            "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": counts[0] + counts[1],
-        }  # fmt: skip
-        return {"id": new_id("resp"), "object": "response.compaction", "created_at": now(), "output": output,
-                "usage": usage}  # fmt: skip
+        }
+        return {
+            "id": new_id("resp"),
+            "object": "response.compaction",
+            "created_at": now(),
+            "output": output,
+            "usage": usage,
+        }

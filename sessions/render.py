@@ -64,8 +64,11 @@ def to_messages(items: Sequence[Item], instructions: str | None = None) -> list[
         elif isinstance(item, FunctionCall | CustomToolCall):
             call: dict[str, Any]
             if isinstance(item, FunctionCall):  # a namespace's tool by the name the model called it by
-                call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.qualified_name, "arguments": item.arguments}}  # fmt: skip
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.qualified_name, "arguments": item.arguments},
+                }
             else:
                 call = {
                     "id": item.call_id,
@@ -109,11 +112,18 @@ def render_text(
     if not thinking:
         kwargs["enable_thinking"] = False
     if tokenizer.renders_tools:
-        text = tokenizer.hf.apply_chat_template(inline_custom(msgs, tools), tools=[t.openai() for t in tools] or None,
-                                                **kwargs)  # fmt: skip
+        text = tokenizer.hf.apply_chat_template(
+            inline_custom(msgs, tools), tools=[t.openai() for t in tools] or None, **kwargs
+        )
     else:
         text = tokenizer.hf.apply_chat_template(hermes_messages(msgs, tools), **kwargs)
     return str(text)
+
+
+def render_messages(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> Prompt:
+    """A stateless turn's prompt (Chat Completions' `messages`), rendered and tokenized whole."""
+    text = render_text(tokenizer, messages, tools)
+    return Prompt(encode(tokenizer, text), 0, text)
 
 
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:

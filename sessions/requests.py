@@ -99,6 +99,12 @@ class ResponseRequest:
         """False when `reasoning.effort` is `none`: the template's thinking switch goes off."""
         return not (self.body.reasoning is not None and self.body.reasoning.effort == "none")
 
+    @property
+    def slot_of(self) -> str | None:
+        """The id whose slot tag a new response shares (`sessions.ids`): its conversation's, or its
+        previous response's (so a whole chain lies in one Redis Cluster slot)."""
+        return self.conversation_id or self.body.previous_response_id
+
     def response_format(self) -> dict[str, Any] | None:
         """`text.format` in Chat's `response_format` shape; None for free text."""
         f = self.text.format
@@ -185,7 +191,7 @@ def check(body: CreateResponseBody) -> ResponseRequest:
     _check_context_management(body.context_management)
     if body.reasoning is not None and body.reasoning.effort not in (None, *EFFORTS):
         raise InvalidParam("reasoning.effort", f"expected one of {', '.join(EFFORTS)}, got {body.reasoning.effort!r}")
-    return ResponseRequest(body, items, tools, choice, text, conv_id)
+    return ResponseRequest(body, items, tools=tools, tool_choice=choice, text=text, conversation_id=conv_id)
 
 
 def _check_sampling(b: CreateResponseBody) -> None:

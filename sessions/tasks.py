@@ -25,14 +25,16 @@ import socket
 from typing import Any
 
 from engine.request import EngineOverloaded
+from sessions.config import WorkerConfig
 from sessions.errors import ConversationBusy, NotFound, StoreError
 from sessions.events import EventWriter
 from sessions.items import Item
 from sessions.models import Response
 from sessions.requests import CreateResponseBody, ResponseRequest
-from sessions.service import SessionService, _Undo
+from sessions.service import SessionService
 from sessions.streams import Job
 from sessions.turn import Turn
+from sessions.undo import Undo
 
 log = logging.getLogger("longctx.sessions")
 CANCEL_POLL_S = 0.5
@@ -41,33 +43,40 @@ CANCEL_POLL_S = 0.5
 def request_of(response: Response, items: list[Item]) -> ResponseRequest:
     """The request a stored response was made by (its echoed parameters) with its input items."""
     b = CreateResponseBody(
-        model=response.model, instructions=response.instructions, temperature=response.temperature,
-        top_p=response.top_p, presence_penalty=response.presence_penalty,
-        frequency_penalty=response.frequency_penalty, max_output_tokens=response.max_output_tokens,
-        max_tool_calls=response.max_tool_calls, previous_response_id=response.previous_response_id,
-        parallel_tool_calls=response.parallel_tool_calls, store=True, background=True,
-        truncation=response.truncation, prompt_cache_key=response.prompt_cache_key, metadata=response.metadata,
-        reasoning=response.reasoning, top_logprobs=response.top_logprobs or None,
-        service_tier=response.service_tier, safety_identifier=response.safety_identifier,
-    )  # fmt: skip
+        model=response.model,
+        instructions=response.instructions,
+        temperature=response.temperature,
+        top_p=response.top_p,
+        presence_penalty=response.presence_penalty,
+        frequency_penalty=response.frequency_penalty,
+        max_output_tokens=response.max_output_tokens,
+        max_tool_calls=response.max_tool_calls,
+        previous_response_id=response.previous_response_id,
+        parallel_tool_calls=response.parallel_tool_calls,
+        store=True,
+        background=True,
+        truncation=response.truncation,
+        prompt_cache_key=response.prompt_cache_key,
+        metadata=response.metadata,
+        reasoning=response.reasoning,
+        top_logprobs=response.top_logprobs or None,
+        service_tier=response.service_tier,
+        safety_identifier=response.safety_identifier,
+    )
     conv = response.conversation.id if response.conversation else None
-    return ResponseRequest(b, items, list(response.tools), response.tool_choice, response.text, conv)
+    return ResponseRequest(
+        b, items, tools=list(response.tools), tool_choice=response.tool_choice, text=response.text, conversation_id=conv
+    )
 
 
 class BackgroundWorkers:
     """The background loops of one process (see the module docstring); `run` until cancelled."""
 
-    def __init__(
-        self,
-        service: SessionService,
-        workers: int = 2,
-        name: str | None = None,
-        heartbeat_s: float = 10.0,
-        claim_idle_s: float = 30.0,
-    ):
-        self.service, self.store, self.workers = service, service.store, workers
+    def __init__(self, service: SessionService, config: WorkerConfig | None = None, name: str | None = None):
+        config = config or WorkerConfig()
+        self.service, self.store, self.workers = service, service.store, config.workers
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
-        self.heartbeat_s, self.claim_idle_s = heartbeat_s, claim_idle_s
+        self.heartbeat_s, self.claim_idle_s = config.heartbeat, config.claim_idle_s
         self._tasks: set[asyncio.Task[Any]] = set()
         self._turns: dict[str, asyncio.Task[Response]] = {}  # response id -> its running turn
         self._jobs: dict[str, Job] = {}  # job id -> job being run here and not yet acked
@@ -206,15 +215,15 @@ class BackgroundWorkers:
             page = await self.store.responses.list_input_items(tenant, resp_id, page.last_id, 100, "asc")
             items += page.items
         seen = [e async for e in _all_events(svc, tenant, resp_id)]
-        undo = _Undo(self.store, tenant)
+        undo = Undo(self.store, tenant)
         undo.resp_id = resp_id
         try:
-            plan = await svc._plan(tenant, request_of(stored, items), undo, priority=1)
+            plan = await svc.planner.plan(tenant, request_of(stored, items), undo, priority=1)
             plan.response.status, plan.response.created_at = "in_progress", stored.created_at
             attempt = {"attempt": 2} if seen else {}  # a rerun after a dead worker's attempt
             writer = EventWriter(self.store_sink(resp_id), first=seen[-1] + 1 if seen else 0, extra=attempt)
             plan.assembler.writer = writer
-            turn = Turn(svc.engine, self.store, plan, writer, svc.config.lease_renew_s, svc.config.kv_commit_wait_s)
+            turn = Turn(svc.engine, self.store, plan, svc.config)
             turn.submit()
         except BaseException:
             await undo.run()

@@ -1,7 +1,7 @@
 """A foreground turn's place among its tenant's waiting requests.
 
 The server counts, per tenant, the requests added to the engine that have not yet produced a
-token (`api.limits.TenantQueue`, `--max-queued-per-tenant`); a foreground response takes a place
+token (`api.tenant_queue.TenantQueue`, `--max-queued-per-tenant`); a foreground response takes a place
 before anything is written or queued and gives it back at its first output or its end, whichever
 comes first; a chat request (`api.chat`) holds one the same way. Background jobs wait in Redis
 and take none. The gate is given by the server; this layer only needs its two calls.

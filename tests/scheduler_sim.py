@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.engine_config import EngineConfig
 from engine.request import Request, RequestHandle
 from engine.sampling_params import SamplingParams
 from engine.scheduling.scheduler import ScheduledChunk, Scheduler
@@ -29,6 +30,7 @@ from kvstore.block_pool import BlockPool
 from kvstore.prefix import Namespace, find_tail
 
 NS = Namespace("SimForCausalLM", "ab" * 16, "float32", "float32", 16)
+CONFIG_KEYS = ("max_num_seqs", "max_prefill_tokens_per_request", "lookup_timeout_s")  # `Sim`'s EngineConfig fields
 
 
 @dataclass
@@ -110,9 +112,6 @@ class FakeConnector:
     def evict(self, evicted: list[tuple[int, bytes]]) -> None:
         return None
 
-    def contains(self, page_hashes: list[bytes]) -> int:
-        return self._leading(page_hashes)
-
 
 def sim_token(req: Request) -> int:
     """The 'sampled' id: a function of the request and output position only."""
@@ -127,7 +126,11 @@ class Sim:
         self.page_size = page_size
         kw.setdefault("namespace", Namespace("SimForCausalLM", "ab" * 16, "float32", "float32", page_size))
         kw.setdefault("recompute_s", lambda num_tokens: math.inf)
-        self.sched = Scheduler(self.pool, page_size, budget, **kw)  # type: ignore[arg-type]
+        settings = {k: kw.pop(k) for k in CONFIG_KEYS if k in kw}
+        if "lookup_timeout_s" in settings:
+            settings["kv_lookup_timeout_s"] = settings.pop("lookup_timeout_s")
+        config = EngineConfig(page_size=page_size, max_num_batched_tokens=budget, **settings)  # type: ignore[arg-type]
+        self.sched = Scheduler(self.pool, config, **kw)  # type: ignore[arg-type]
         self.budget = budget
         self.requests: dict[str, Request] = {}
         self.finished: list[Request] = []

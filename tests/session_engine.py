@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
@@ -41,6 +41,11 @@ def target() -> Iterator[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def compiler(demo_float32: LoadedModel) -> GrammarCompiler:
     return GrammarCompiler(demo_float32.tokenizer, demo_float32.config.vocab_size)
+
+
+async def collect(events: AsyncIterator[T]) -> list[T]:
+    """All events of a stream."""
+    return [e async for e in events]
 
 
 Run = Callable[[Callable[[SessionService], Awaitable[Any]]], Any]

@@ -1,5 +1,6 @@
-"""What the layers above need from the engine: the queue bound, snapshots, cache estimates
-without submitting, priorities, and multi-turn prompts built from token ids (tiny model)."""
+"""What the layers above need from the engine: the queue bound, snapshots, the cached tokens a
+request reports (device, host and Redis pages), priorities, and multi-turn prompts built from
+token ids (tiny model)."""
 
 from __future__ import annotations
 
@@ -115,9 +116,9 @@ def test_priority_runs_first(tiny: TinyModel) -> None:
     assert order == [fg.id, bg.id]
 
 
-def _greedy_ids(e: Engine, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
+def _greedy_ids(e: Engine, prompt: list[int], max_tokens: int, salt: str = "") -> tuple[list[int], int]:
     """(output ids, cached_tokens) of one greedy request run to the end."""
-    h = e.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    h = e.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), cache_salt=salt)
     e.run_until_idle()
     outs = list(h)
     return [t for o in outs for t in o.token_ids], outs[-1].cached_tokens
@@ -135,7 +136,6 @@ def test_turn_two_built_from_token_ids_hits_page_for_page(tiny: TinyModel, promp
     p2 = p1 + out1 + _prompt(tiny, 5, 8)
     done = len(p1) + len(out1)
     want = (done - 1) // ps * ps
-    assert e.cached_prefix_tokens(p2) == want
     out2, cached = _greedy_ids(e, p2, 6)
     assert cached == want
     if done % ps:
@@ -143,19 +143,17 @@ def test_turn_two_built_from_token_ids_hits_page_for_page(tiny: TinyModel, promp
     assert out2 == _greedy_ids(_engine(tiny, enable_prefix_caching=False), p2, 6)[0]
 
 
-def test_cached_prefix_tokens_counts_device_and_host_pages(tiny: TinyModel) -> None:
+def test_cached_tokens_count_device_and_host_pages(tiny: TinyModel) -> None:
     pb = page_bytes(tiny.config)
     e = Engine(tiny.model, None, EngineConfig(kv_cache_bytes=8 * pb, host_cache_bytes=64 * pb))
     a, b = _prompt(tiny, 70, 1), _prompt(tiny, 100, 2)
-    assert e.cached_prefix_tokens(a) == 0
-    _greedy_ids(e, a, 1)
-    assert e.cached_prefix_tokens(a) == 64  # 4 full pages in device memory (the last token is always computed)
-    assert e.cached_prefix_tokens(a, cache_salt="other") == 0
-    _greedy_ids(e, b, 1)  # takes 7 of 8 pages: a's pages 1..3 move to the host tier
-    assert e.cached_prefix_tokens(a) == 64
-    assert e.cached_prefix_tokens(a[:40] + b) == 32
-    with e:  # from another thread while the engine thread runs: asked through its inbox
-        assert e.cached_prefix_tokens(a) == 64
+    assert _greedy_ids(e, a, 1)[1] == 0
+    assert _greedy_ids(e, a, 1)[1] == 64  # 4 full pages in device memory (the last token is always computed)
+    assert _greedy_ids(e, a, 1, salt="other")[1] == 0
+    _greedy_ids(e, b, 1)  # takes 7 of 8 pages: a's pages move to the host tier
+    assert _greedy_ids(e, a, 1)[1] == 64
+    assert _greedy_ids(e, a[:40] + b[:60], 1)[1] == 32
+    with e:  # from another thread while the engine thread runs
         assert _greedy_ids_async(e, a) == 64
 
 
@@ -163,7 +161,7 @@ def _greedy_ids_async(e: Engine, prompt: list[int]) -> int:
     return list(e.add_request(prompt, SamplingParams(max_tokens=1, temperature=0)))[-1].cached_tokens
 
 
-def test_cached_prefix_tokens_counts_redis_pages(tiny: TinyModel) -> None:
+def test_cached_tokens_count_redis_pages(tiny: TinyModel) -> None:
     fp = fingerprint_of(tiny.path)
     a = _prompt(tiny, 70, 3)
     with shared_redis() as (url, prefix):
@@ -174,8 +172,7 @@ def test_cached_prefix_tokens_counts_redis_pages(tiny: TinyModel) -> None:
         first.shutdown()
         second = Engine(tiny.model, None, cfg, fingerprint=fp)  # nothing in device memory
         try:
-            assert second.cached_prefix_tokens(a) == 64
-            assert second.cached_prefix_tokens(a, cache_salt="other") == 0
+            assert _greedy_ids(second, a, 1, salt="other")[1] == 0
             assert _greedy_ids(second, a, 1)[1] == 64
         finally:
             second.shutdown()

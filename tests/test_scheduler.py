@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine.engine_config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduling.scheduler import SALT_CACHE_SIZE, Scheduler
-from kvstore.block_pool import BlockPool
+from engine.scheduling.scheduler import SALT_CACHE_SIZE
 from tests.scheduler_sim import FakeConnector, Sim
 
 
@@ -84,7 +84,7 @@ def test_one_long_prefill_does_not_hold_back_first_tokens() -> None:
 
 def test_bad_settings_name_the_field() -> None:
     with pytest.raises(ValueError, match="max_prefill_tokens_per_request"):
-        Scheduler(BlockPool(4), 16, 32, max_prefill_tokens_per_request=0)
+        EngineConfig(page_size=16, max_num_batched_tokens=32, max_prefill_tokens_per_request=0)
     with pytest.raises(ValueError, match="priority"):
         SamplingParams(priority="1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="priority"):

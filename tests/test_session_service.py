@@ -21,9 +21,9 @@ from sessions.event_stream import EventStream
 from sessions.items import FunctionCall, Message, text_of
 from sessions.models import Response
 from sessions.requests import InvalidParam
-from sessions.service import SessionService, collect
+from sessions.service import SessionService
 from sessions.store import SessionStore, StoreConfig
-from tests.session_engine import PAGE, TENANT, Run, compiler, engine, run, target
+from tests.session_engine import PAGE, TENANT, Run, collect, compiler, engine, run, target
 from tools.formats import detect_format
 from tools.grammar import GrammarCompiler
 

@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
+from sessions.config import WorkerConfig
 from sessions.items import Message, text_of
 from sessions.requests import InvalidParam
-from sessions.service import SessionService, collect
+from sessions.service import SessionService
 from sessions.tasks import BackgroundWorkers
-from tests.session_engine import TENANT, Run, compiler, engine, run, target
+from tests.session_engine import TENANT, Run, collect, compiler, engine, run, target
 
 __all__ = ["compiler", "engine", "run", "target"]  # fixtures
 QUESTION = {"input": "What is the capital of France?", "temperature": 0, "max_output_tokens": 24}
@@ -23,7 +24,7 @@ LONG = {"input": "Tell me a long story about a dragon.", "temperature": 0, "max_
 
 
 async def with_workers(svc: SessionService, body: Any, **kw: Any) -> Any:
-    workers = asyncio.create_task(BackgroundWorkers(svc, workers=1, **kw).run())
+    workers = asyncio.create_task(BackgroundWorkers(svc, WorkerConfig(workers=1, **kw)).run())
     try:
         return await body
     finally:

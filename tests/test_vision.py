@@ -150,10 +150,10 @@ def test_prefix_cache_hits_the_same_image_and_misses_another(tiny: TinyVLM) -> N
     other, cached = _greedy(engine, ids_b, images_b)
     assert cached == first_image // 16 * 16  # pages before the image only
     assert other == reference_greedy(tiny, ids_b, images_b, 6)
-    assert engine.cached_prefix_tokens(ids_a, images=images_a) == (len(ids_a) - 1) // 16 * 16
-    assert engine.cached_prefix_tokens(ids_a, images=[images_b[0]]) == (len(ids_a) - 1) // 16 * 16  # b's pages too
-    with pytest.raises(ValueError, match="images: the prompt has"):
-        engine.cached_prefix_tokens(ids_a)  # placeholders without their images
+    # Both images' pages are now in the pool, each under its own image's hash.
+    assert _greedy(engine, ids_a, images_a) == (tokens_a, (len(ids_a) - 1) // 16 * 16)
+    assert _greedy(engine, ids_b, images_b) == (other, (len(ids_b) - 1) // 16 * 16)
+    assert feeder.num_encoded == 2
 
 
 def test_engine_refuses_images_that_do_not_fit(tiny: TinyVLM) -> None:

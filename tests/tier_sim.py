@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from engine.engine_config import EngineConfig
 from engine.request import Request, RequestHandle
 from engine.sampling_params import SamplingParams
 from engine.scheduling.scheduler import ScheduledChunk, Scheduler
@@ -137,11 +138,20 @@ class TierSim:
         if self.delay is not None:
             self.connector = DelayedTier(self.store, self.delay)
         self.pool = BlockPool(self.num_pages, on_evict=self.connector.evict)
+        config = EngineConfig(
+            page_size=SPEC.page_size,
+            max_num_batched_tokens=self.budget,
+            max_num_seqs=self.max_num_seqs,
+            kv_lookup_timeout_s=self.lookup_timeout_s,
+        )
         self.sched = Scheduler(
-            self.pool, SPEC.page_size, self.budget, self.max_num_seqs, namespace=NS, connector=self.connector,
-            lookup_timeout_s=self.lookup_timeout_s, recompute_s=self.recompute_s,
+            self.pool,
+            config,
+            namespace=NS,
+            connector=self.connector,
+            recompute_s=self.recompute_s,
             **self.scheduler_kw,  # type: ignore[arg-type]
-        )  # fmt: skip
+        )
         self._values: dict[Request, list[int]] = {}
         self.progress: dict[Request, int] = {}  # tokens computed as of the last step that ran it
         self._was_running: set[Request] = set()

@@ -146,9 +146,13 @@ def structural_tag(
         )
     if fmt.xgr_model is not None:
         return xgr.get_builtin_structural_tag(
-            fmt.xgr_model, tools=[t.openai() for t in allowed], tool_choice="auto", reasoning=False,
-            parallel_tool_calls=parallel_tool_calls, max_whitespace_cnt=MAX_WHITESPACE,
-        )  # fmt: skip
+            fmt.xgr_model,
+            tools=[t.openai() for t in allowed],
+            tool_choice="auto",
+            reasoning=False,
+            parallel_tool_calls=parallel_tool_calls,
+            max_whitespace_cnt=MAX_WHITESPACE,
+        )
     return st.StructuralTag(format=st.TriggeredTagsFormat(triggers=[fmt.start], tags=tags, stop_after_first=single))
 
 
@@ -158,11 +162,13 @@ def _with_custom(
     """A reply whose tools include custom ones: each call is a function call in `fmt`'s syntax (one
     object per call; Mistral's array holds one call) or a custom tool's frame."""
     tags = [
-        custom.call_tag(t.name, t.format) if t.kind == "custom"
-        else _call_tag(fmt, t) if not fmt.array
+        custom.call_tag(t.name, t.format)
+        if t.kind == "custom"
+        else _call_tag(fmt, t)
+        if not fmt.array
         else st.TagFormat(begin=f"{fmt.start}[", content=_call_tag(fmt, t), end="]")
         for t in allowed
-    ]  # fmt: skip
+    ]
     sep = "\n" if fmt.end or fmt.array else ", "
     calls = st.TagsWithSeparatorFormat(tags=tags, separator=sep, at_least_one=True, stop_after_first=single)
     if mode == "required":

@@ -159,8 +159,11 @@ def inline_custom(messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list
     for m in messages:
         calls = m.get("tool_calls") or []
         if any(c.get("type") == "custom" for c in calls):
-            frames = [custom.render_call(c["custom"]["name"], c["custom"]["input"]) for c in calls
-                      if c.get("type") == "custom"]  # fmt: skip
+            frames = [
+                custom.render_call(c["custom"]["name"], c["custom"]["input"])
+                for c in calls
+                if c.get("type") == "custom"
+            ]
             m = {**m, "content": "".join([m["content"], *frames])}
             rest = [c for c in calls if c.get("type") != "custom"]
             if rest:

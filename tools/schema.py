@@ -120,12 +120,19 @@ class ToolSpec:
     def responses(self) -> dict[str, Any]:
         """The Responses API's flat shape, every field present (as a response object echoes it)."""
         if self.kind == "custom":
-            return {"type": "custom", "name": self.local_name, "description": self.description or None,
-                    "format": self.format}  # fmt: skip
+            return {
+                "type": "custom",
+                "name": self.local_name,
+                "description": self.description or None,
+                "format": self.format,
+            }
         return {
-            "type": "function", "name": self.local_name, "description": self.description or None,
-            "parameters": self.parameters, "strict": self.strict,
-        }  # fmt: skip
+            "type": "function",
+            "name": self.local_name,
+            "description": self.description or None,
+            "parameters": self.parameters,
+            "strict": self.strict,
+        }
 
 
 class ArgumentsInvalid(ValueError):
@@ -201,8 +208,9 @@ def parse_tools(tools: list[dict[str, Any]] | None, hosted: HostedPolicy = "reje
             for j, t in enumerate(inner):
                 if not isinstance(t, dict) or t.get("type", "function") not in ("function", "custom"):
                     kind_j = t.get("type") if isinstance(t, dict) else type(t).__name__
-                    raise InvalidTool(f"{at}.tools[{j}].type", f"a namespace holds function and custom tools, "
-                                      f"got {kind_j!r}")  # fmt: skip
+                    raise InvalidTool(
+                        f"{at}.tools[{j}].type", f"a namespace holds function and custom tools, got {kind_j!r}"
+                    )
                 specs.append(_tool(t, f"{at}.tools[{j}]", seen, space))
             continue
         specs.append(_tool(tool, at, seen))
@@ -213,8 +221,11 @@ def _tool(tool: dict[str, Any], at: str, seen: set[str], namespace: str | None =
     """One function or custom tool (of `namespace`, if given); its name is added to `seen`."""
     kind = tool.get("type", "function")
     if kind not in ("function", "custom"):
-        raise InvalidTool(f"{at}.type", f"unknown tool type {kind!r}; supported: function, custom, namespace "
-                          "(hosted tools are ignored or rejected)")  # fmt: skip
+        raise InvalidTool(
+            f"{at}.type",
+            f"unknown tool type {kind!r}; supported: function, custom, namespace "
+            "(hosted tools are ignored or rejected)",
+        )
     if "function" in tool:  # Chat Completions
         fn, at = tool["function"], f"{at}.function"
         if not isinstance(fn, dict):

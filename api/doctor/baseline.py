@@ -102,8 +102,10 @@ def compare_baseline(ctx: DoctorContext, path: Path, st: StageResult) -> None:
     if not st.columns:
         st.table(["layer", "attention vs baseline", "MLP vs baseline"], rows)
     else:  # beside the transformers errors
-        st.table([*st.columns, "attention vs baseline", "MLP vs baseline"],
-                 [[*r, *b[1:]] for r, b in zip(st.data["layers"], rows, strict=True)])  # fmt: skip
+        st.table(
+            [*st.columns, "attention vs baseline", "MLP vs baseline"],
+            [[*r, *b[1:]] for r, b in zip(st.data["layers"], rows, strict=True)],
+        )
     st.note(f"baseline {path.name} ({doc['dtype']}): logits error {logits_err:.2e}, threshold {limit:.0e}")
     if found is not None:
         st.fail(f"against baseline {path.name}: {found.where} diverges first, error {found.error:.2e} > {limit:.0e}")

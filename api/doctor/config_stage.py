@@ -77,8 +77,14 @@ def ignored_fields(source: ModelPath, reader_keys: set[str] | None, arch_prefix:
 
         keys = GGUFReader(source.path).fields.keys()
         harmless = GGUF_HARMLESS_PREFIXES
-        return sorted(k for k in keys if k.startswith(arch_prefix) and k not in reader_keys
-                      and not k.startswith(harmless) and not k.endswith(GGUF_REDUNDANT_SUFFIXES))  # fmt: skip
+        return sorted(
+            k
+            for k in keys
+            if k.startswith(arch_prefix)
+            and k not in reader_keys
+            and not k.startswith(harmless)
+            and not k.endswith(GGUF_REDUNDANT_SUFFIXES)
+        )
     raw: dict[str, Any] = json.loads((source.path / "config.json").read_text())
     known = READ_FIELDS | HARMLESS_FIELDS
     if (raw.get("architectures") or [""])[0] in VISION_ARCHITECTURES:
@@ -94,8 +100,9 @@ def config_stage(source: ModelPath, config: ModelConfig, st: StageResult, ignore
     for f in fields(config):
         value = getattr(config, f.name)
         if f.name in ("rope", "moe") and value is not None:  # only what differs from the defaults
-            value = ", ".join(f"{k.name}={getattr(value, k.name)}" for k in fields(value)
-                              if getattr(value, k.name) != k.default)  # fmt: skip
+            value = ", ".join(
+                f"{k.name}={getattr(value, k.name)}" for k in fields(value) if getattr(value, k.name) != k.default
+            )
         if f.name == "sliding_windows" and value:
             value = f"{sorted({w for w in value if w})} on {sum(w is not None for w in value)} layers"
         rows.append([f.name, value])
@@ -104,11 +111,21 @@ def config_stage(source: ModelPath, config: ModelConfig, st: StageResult, ignore
     active_text = f" ({active / 1e6:.1f} M active per token)" if config.moe else ""
     rows.append(["parameters", f"{total / 1e6:.1f} M{active_text}"])
     rows.append(["KV bytes per token", f"float32 {kv * 4:,}, bf16/fp16 {kv * 2:,}, int8 {kv:,} (+ scales)"])
-    rows.append(["max context", f"{config.max_position_embeddings:,} tokens "
-                 f"({config.max_position_embeddings * kv * 2 / 1e9:.2f} GB of bf16 KV per sequence)"])  # fmt: skip
+    rows.append(
+        [
+            "max context",
+            f"{config.max_position_embeddings:,} tokens "
+            f"({config.max_position_embeddings * kv * 2 / 1e9:.2f} GB of bf16 KV per sequence)",
+        ]
+    )
     st.table(["field", "value"], rows)
-    st.data = {"parameters": total, "active_parameters": active, "kv_bytes_per_token_bf16": kv * 2,
-               "ignored": ignored, "architecture": config.architecture}  # fmt: skip
+    st.data = {
+        "parameters": total,
+        "active_parameters": active,
+        "kv_bytes_per_token_bf16": kv * 2,
+        "ignored": ignored,
+        "architecture": config.architecture,
+    }
     for name in ignored:
         st.warn(f"the checkpoint declares {name!r}, which this build ignores")
     st.note(f"architecture {config.architecture} is supported")

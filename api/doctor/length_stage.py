@@ -114,8 +114,16 @@ def length_stage(ctx: DoctorContext, st: StageResult) -> None:
         passkey = f"{found}/{len(depths)}" if instruct else "-"
         found_total += found if instruct else 0
         tried_total += len(depths) if instruct else 0
-        rows.append([n, sorted(prefills)[len(prefills) // 2], sorted(decodes)[len(decodes) // 2],
-                     f"{kv_bytes / 1e6:.1f} MB", f"{peak_rss_bytes() / 1e9:.2f} GB", passkey])  # fmt: skip
+        rows.append(
+            [
+                n,
+                sorted(prefills)[len(prefills) // 2],
+                sorted(decodes)[len(decodes) // 2],
+                f"{kv_bytes / 1e6:.1f} MB",
+                f"{peak_rss_bytes() / 1e9:.2f} GB",
+                passkey,
+            ]
+        )
     st.table(["tokens", "prefill tok/s", "decode tok/s", "KV bytes", "peak RSS", "passkey"], rows)
     st.data = {"rows": rows, "kv_bytes_per_token": per_token, "max_length": max_length}
     if instruct:

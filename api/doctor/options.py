@@ -1,14 +1,27 @@
-"""What `longctx doctor` was asked to do: a frozen options object passed to every stage."""
+"""What `longctx doctor` was asked to do: a frozen options object passed to every stage, and the
+command's flags that make it (their defaults are the object's)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+from api.engine_args import default_device
+from engine.loading.model_source import DEMO_MODEL
+
 STAGES = (
-    "config", "weights", "reference", "vision", "serving", "activations", "generation", "length", "parallel",
+    "config",
+    "weights",
+    "reference",
+    "vision",
+    "serving",
+    "activations",
+    "generation",
+    "length",
+    "parallel",
     "quantization",
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -51,3 +64,43 @@ class DoctorOptions:
             raise ValueError(f"--max-length must be at least 16, got {self.max_length}")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be >= 1")
+
+
+def add_doctor_args(p: argparse.ArgumentParser) -> None:
+    d = DoctorOptions
+    p.add_argument("--model", default=DEMO_MODEL, help="directory, .gguf file, pulled name or repo id")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=default_device())
+    p.add_argument("--threads", type=int, default=d.threads, help="CPU threads (0 = torch's default)")
+    p.add_argument("--max-length", type=int, default=d.max_length, help="longest prompt of the length stage")
+    p.add_argument("--stages", default=None, help="comma-separated subset, e.g. config,weights,reference")
+    p.add_argument("--reference", default=d.reference, choices=["transformers", "none"])
+    p.add_argument("--baseline", type=Path, default=d.baseline, help="compare layer by layer with this baseline")
+    p.add_argument("--save-baseline", type=Path, default=d.save_baseline, help="write this run's baseline here")
+    p.add_argument("--report", type=Path, default=None, help="write the JSON report here")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=d.tensor_parallel_size, help="parallel stage: ranks to shard over"
+    )
+    p.add_argument("--expert-parallel", action="store_true", help="parallel stage: whole experts per rank")
+    p.add_argument(
+        "--serve-dtype",
+        default=d.serve_dtype,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="serving stage: the dtype serve runs (its --dtype)",
+    )
+    p.add_argument("--quantization", default=d.quantization, choices=["none", "int8", "int4"], help="serving stage")
+    p.add_argument("--group-size", type=int, default=d.group_size, help="serving stage: int4 group size")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=d.compile,
+        help="serving stage: the compiled step (default: as serve picks here)",
+    )
+
+
+def doctor_options(args: argparse.Namespace) -> DoctorOptions:
+    """The `DoctorOptions` of the doctor flags (ValueError naming a bad one)."""
+    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip()) if args.stages else STAGES
+    given = vars(args)  # the flags named as the options' fields; --model and --report are the command's
+    copied = {f.name: given[f.name] for f in fields(DoctorOptions) if f.name in given and f.name != "stages"}
+    return DoctorOptions(stages=stages, **copied)

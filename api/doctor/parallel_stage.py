@@ -33,8 +33,13 @@ def launch(ctx: DoctorContext, out: Path) -> list[dict[str, Any]]:
     opts = ctx.options
     n = opts.tensor_parallel_size
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n),
-            "LOCAL_WORLD_SIZE": str(n), "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")}  # fmt: skip
+    env |= {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+        "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+    }
     if opts.threads:
         env["LONGCTX_THREADS"] = str(opts.threads)
     cmd = [sys.executable, "-m", "api.doctor.parallel_worker", str(ctx.loaded.source.path), str(out),

@@ -48,8 +48,7 @@ def main(argv: list[str]) -> None:
         logits.append(runner.run([Chunk(ids, pages, len(ids))], all_logits=True).cpu())
         times.append(time.perf_counter() - t0)
         pool.free(pages)
-    result = {"logits": logits, "bytes_read": loaded.stats.bytes_read, "step_s": times,
-              "comm_bytes": ctx.comm.total}  # fmt: skip
+    result = {"logits": logits, "bytes_read": loaded.stats.bytes_read, "step_s": times, "comm_bytes": ctx.comm.total}
     torch.save(result, args.out / f"rank{ctx.rank}.pt")
     leave_together(watchdog)
 

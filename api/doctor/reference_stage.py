@@ -43,8 +43,11 @@ def _error(ours: list[Capture], ref: list[Capture]) -> Any:
     def error(kind: str, layer: int | None) -> float:
         worst = 0.0
         for a, b in zip(ours, ref, strict=True):
-            x, y = (getattr(a, kind)[layer], getattr(b, kind)[layer]) if layer is not None else (
-                getattr(a, kind), getattr(b, kind))  # fmt: skip
+            x, y = (
+                (getattr(a, kind)[layer], getattr(b, kind)[layer])
+                if layer is not None
+                else (getattr(a, kind), getattr(b, kind))
+            )
             worst = max(worst, rel_error(x, y))
         return worst
 
@@ -70,9 +73,12 @@ def _greedy_reference(hf: Any, ids: list[int], n: int) -> list[int]:
     hf.generation_config.pad_token_id = 0
     with torch.no_grad():
         out = hf.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=n, min_new_tokens=n,
-        )  # fmt: skip
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+        )
     return [int(t) for t in out[0, len(ids) :]]
 
 
@@ -112,8 +118,10 @@ def reference_stage(ctx: DoctorContext, st: StageResult) -> None:
     agree = [float((a.logits.argmax(-1) == b.logits.argmax(-1)).float().mean()) for a, b in zip(ours, ref, strict=True)]
     st.table(["layer", "attention err", "MLP err"], rows)
     st.data = {"layers": rows, "logits_error": logits_err, "top1_agreement": agree, "threshold": limit}
-    st.note(f"logits relative error {logits_err:.2e} (threshold {limit:.0e}); top-1 agreement per prompt "
-            + ", ".join(f"{a:.0%}" for a in agree))  # fmt: skip
+    st.note(
+        f"logits relative error {logits_err:.2e} (threshold {limit:.0e}); top-1 agreement per prompt "
+        + ", ".join(f"{a:.0%}" for a in agree)
+    )
     if found is not None:
         st.fail(f"{found.where}: relative error {found.error:.2e} > {limit:.0e} (first past the threshold)")
     n = opts.greedy_tokens

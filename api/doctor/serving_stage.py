@@ -56,8 +56,14 @@ def _served(ctx: DoctorContext) -> LoadedModel:
         return ctx.served
     if o.serve_dtype == ctx.dtype_name and o.quantization == "none":
         return ctx.loaded
-    return load(str(ctx.loaded.source.path), o.serve_dtype, o.device, quantization=o.quantization,
-                group_size=o.group_size, progress=False)  # fmt: skip
+    return load(
+        str(ctx.loaded.source.path),
+        o.serve_dtype,
+        o.device,
+        quantization=o.quantization,
+        group_size=o.group_size,
+        progress=False,
+    )
 
 
 def _reference(ctx: DoctorContext) -> CausalLM:

@@ -92,16 +92,25 @@ def weights_stage(stats: list[TensorStats], load: LoadStats, peak_rss: int, st: 
     worst = sorted(stats, key=lambda s: -s.absmax)[:5]
     rows: list[list[object]] = [[s.name, list(s.shape), s.mean, s.std, s.absmax] for s in worst]
     st.table(["largest tensors by absmax", "shape", "mean", "std", "absmax"], rows)
-    st.note(f"{len(stats)} tensors in {len(files)} file(s); "
-            + ", ".join(f"{d} {n / 1e6:.1f} MB" for d, n in sorted(by_dtype.items())) + f" (by {kind})")  # fmt: skip
+    st.note(
+        f"{len(stats)} tensors in {len(files)} file(s); "
+        + ", ".join(f"{d} {n / 1e6:.1f} MB" for d, n in sorted(by_dtype.items()))
+        + f" (by {kind})"
+    )
     mb_per_s = load.bytes_read / max(load.seconds, 1e-9) / 1e6
-    st.note(f"loaded {load.bytes_read / 1e6:.1f} MB in {load.seconds:.2f} s ({mb_per_s:.1f} MB/s), "
-            f"peak RSS {peak_rss / 1e9:.2f} GB")  # fmt: skip
+    st.note(
+        f"loaded {load.bytes_read / 1e6:.1f} MB in {load.seconds:.2f} s ({mb_per_s:.1f} MB/s), "
+        f"peak RSS {peak_rss / 1e9:.2f} GB"
+    )
     st.data = {
-        "tensors": [s._asdict() for s in stats], "files": files, "bytes_by_type": by_dtype,
-        "gb_per_s": load.gb_per_s, "seconds": load.seconds, "peak_rss_bytes": peak_rss,
+        "tensors": [s._asdict() for s in stats],
+        "files": files,
+        "bytes_by_type": by_dtype,
+        "gb_per_s": load.gb_per_s,
+        "seconds": load.seconds,
+        "peak_rss_bytes": peak_rss,
         "fingerprint": load.fingerprint,
-    }  # fmt: skip
+    }
     for s in stats:
         if s.nan or s.inf:
             st.fail(f"tensor {s.name!r} ({s.file}) holds {s.nan} NaN and {s.inf} Inf values")

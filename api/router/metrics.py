@@ -29,8 +29,10 @@ def render(c: RouterCounters, replicas: Replicas) -> str:
     ):
         lines += [f"# HELP longctx_router_{name}_total {help_}", f"# TYPE longctx_router_{name}_total counter"]
         lines.append(f"longctx_router_{name}_total {value}")
-    lines += ["# HELP longctx_router_requests_total requests sent to each replica",
-              "# TYPE longctx_router_requests_total counter"]  # fmt: skip
+    lines += [
+        "# HELP longctx_router_requests_total requests sent to each replica",
+        "# TYPE longctx_router_requests_total counter",
+    ]
     lines += [f'longctx_router_requests_total{{replica="{r.url}"}} {r.requests}' for r in replicas.all]
     lines += [
         "# HELP longctx_router_replica_up whether the replica is in rotation",

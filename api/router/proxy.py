@@ -69,8 +69,10 @@ class Router:
         while True:
             msg = await receive()
             if msg["type"] == "lifespan.startup":
-                self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0), limits=httpx.Limits(
-                    max_connections=None, max_keepalive_connections=64))  # fmt: skip
+                self.client = httpx.AsyncClient(
+                    timeout=httpx.Timeout(None, connect=2.0),
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                )
                 await self.replicas.poll(self.client)
                 self._watch = asyncio.create_task(self.replicas.watch(self.client))
                 await send({"type": "lifespan.startup.complete"})
@@ -85,8 +87,13 @@ class Router:
                 return
 
     async def _own(self, send: Send, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -24,8 +24,14 @@ from typing import Any
 
 from engine.model.config import ModelConfig, RopeConfig, UnsupportedModel, _rope_from_hf
 
-OVERRIDABLE = ("rope_scaling", "rope_parameters", "rope_theta", "max_position_embeddings", "rms_norm_eps",
-               "eos_token_id")  # fmt: skip
+OVERRIDABLE = (
+    "rope_scaling",
+    "rope_parameters",
+    "rope_theta",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "eos_token_id",
+)
 
 
 class BadOverride(ValueError):
@@ -53,8 +59,11 @@ def check_keys(overrides: dict[str, Any]) -> None:
     """Raise BadOverride for the first key that cannot be overridden (before any loading)."""
     for key in overrides:
         if key not in OVERRIDABLE:
-            raise BadOverride(key, f"cannot be overridden (it is unknown or changes the weights' shapes); "
-                              f"overridable: {', '.join(OVERRIDABLE)}")  # fmt: skip
+            raise BadOverride(
+                key,
+                f"cannot be overridden (it is unknown or changes the weights' shapes); "
+                f"overridable: {', '.join(OVERRIDABLE)}",
+            )
 
 
 def apply_overrides(config: ModelConfig, overrides: dict[str, Any]) -> ModelConfig:
@@ -80,8 +89,10 @@ def apply_overrides(config: ModelConfig, overrides: dict[str, Any]) -> ModelConf
             changes["rope"] = _rope_from_hf({"rope_parameters": merged})
         except (UnsupportedModel, TypeError, ValueError) as e:
             raise BadOverride(key, str(e)) from None
-    for key, field, kind in (("max_position_embeddings", "max_position_embeddings", int),
-                             ("rms_norm_eps", "rms_norm_eps", float)):  # fmt: skip
+    for key, field, kind in (
+        ("max_position_embeddings", "max_position_embeddings", int),
+        ("rms_norm_eps", "rms_norm_eps", float),
+    ):
         if key in overrides:
             value = overrides[key]
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:

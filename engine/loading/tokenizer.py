@@ -151,9 +151,13 @@ class Tokenizer:
         else:
             self.check_chat()
         out = self.hf.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
             chat_template=template,
-        )  # fmt: skip
+        )
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return [int(t) for t in out]

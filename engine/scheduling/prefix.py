@@ -254,9 +254,15 @@ class PrefixLookup:
                 log.debug(
                     "request %s admitted: %d prompt tokens, %d cached (%d from the device pool, %d loaded "
                     "from a tier), %d recomputed; found in the host tier %d, in Redis %d",
-                    req.id, len(req.prompt_ids), req.cached_tokens, req.cached_tokens - req.loaded_tokens,
-                    req.loaded_tokens, req.recomputed_tokens, req.found_host_tokens, req.found_redis_tokens,
-                )  # fmt: skip
+                    req.id,
+                    len(req.prompt_ids),
+                    req.cached_tokens,
+                    req.cached_tokens - req.loaded_tokens,
+                    req.loaded_tokens,
+                    req.recomputed_tokens,
+                    req.found_host_tokens,
+                    req.found_redis_tokens,
+                )
 
     def _complete(
         self,

@@ -63,6 +63,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
+from engine.engine_config import EngineConfig
 from engine.kv_connector import KVConnector, NoConnector
 from engine.request import Request
 from engine.scheduling.prefix import BLOCKED, PARKED, SALT_CACHE_SIZE, UNUSED_REASONS, PrefixLookup, _Loading
@@ -82,44 +83,36 @@ class Scheduler(PrefixLookup):
     def __init__(
         self,
         pool: BlockPool,
-        page_size: int,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 64,
+        config: EngineConfig,
         *,
         namespace: Namespace | None = None,
         connector: KVConnector | None = None,
-        lookup_timeout_s: float = 5.0,
-        max_prefill_tokens_per_request: int | None = None,
         recompute_s: Callable[[int], float] = lambda num_tokens: num_tokens / 1000.0,
         window: int | None = None,
         max_pinned_fraction: float = 0.5,
     ):
         """Args:
-        lookup_timeout_s: the longest a request waits for a connector lookup.
-        max_prefill_tokens_per_request: a prefill chunk's cap while other requests also have
-            prompt tokens to compute (None = half the step budget); alone, a prefill takes the budget.
+        config: the engine's settings; this reads `page_size`, `max_num_batched_tokens`,
+            `max_num_seqs`, `max_prefill_tokens_per_request` (a prefill chunk's cap while other
+            requests also have prompt tokens to compute; None = half the step budget; alone, a
+            prefill takes the budget) and `kv_lookup_timeout_s` (the longest a request waits
+            for a connector lookup).
         recompute_s: expected seconds to prefill this many tokens (`PrefillRate.seconds`).
         window: the largest sliding window when every layer has one (pages behind it are
             released as requests advance, and lookups address the tail); None keeps every page.
         max_pinned_fraction: the share of the pool that waiting and loading requests may hold
             (their matched and restored pages, kept for them until they are admitted).
         """
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        if max_prefill_tokens_per_request is not None and max_prefill_tokens_per_request < 1:
-            raise ValueError(f"max_prefill_tokens_per_request must be >= 1, got {max_prefill_tokens_per_request}")
-        if window is not None and window < 1:
-            raise ValueError(f"window must be >= 1 (or None), got {window}")
-        if not 0.0 <= max_pinned_fraction <= 1.0:
-            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
+        assert window is None or window >= 1, window
+        assert 0.0 <= max_pinned_fraction <= 1.0, max_pinned_fraction
         self.pool = pool
-        self.page_size = page_size
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.prefill_share = max_prefill_tokens_per_request or max(1, max_num_batched_tokens // 2)
+        self.page_size = config.page_size
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.prefill_share = config.max_prefill_tokens_per_request or max(1, config.max_num_batched_tokens // 2)
         self.namespace = namespace  # None: prefix caching off
         self.connector = connector or NoConnector()
-        self.lookup_timeout_s = lookup_timeout_s
+        self.lookup_timeout_s = config.kv_lookup_timeout_s
         self.recompute_s = recompute_s
         self.window = window
         self.num_reclaimed_pages = 0  # pages released behind a sliding window
