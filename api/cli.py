@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -214,6 +215,12 @@ def _serve(args: argparse.Namespace) -> int:
     from api.serve_args import serve_options
 
     options = serve_options(args)
+    if args.tensor_parallel_size > 1 and os.environ.get("RANK", "0") != "0":
+        # under torchrun: ranks 1..N-1 serve no HTTP, they replay rank 0's engine steps
+        from api.model_load import core_spec
+        from engine.process.ranks import worker_main
+
+        return worker_main(core_spec(args, options.engine))
     model = ModelLoad.start(args, options.engine)  # loads while the HTTP stack below is imported
     try:
         from api import chat, conversations, responses

@@ -75,7 +75,10 @@ def core_spec(args: argparse.Namespace, config: EngineConfig) -> Any:
     from engine.process.main import LoadSpec
 
     level = logging.getLogger("longctx").getEffectiveLevel()
-    return LoadSpec(load=load_kwargs(args), config=config, threads=config.threads, log_level=level)
+    return LoadSpec(
+        load=load_kwargs(args), config=config, threads=config.threads, log_level=level,
+        tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
+    )  # fmt: skip
 
 
 class ModelLoad:
@@ -106,7 +109,7 @@ class ModelLoad:
         otherwise None, and the checks report the problem."""
         from engine.loading.model_source import resolve_model
 
-        if args.tensor_parallel_size > 1 or args.expert_parallel:
+        if args.expert_parallel and args.tensor_parallel_size < 2:
             return None
         if args.redis_url is None and shutil.which("redis-server") is None:
             return None

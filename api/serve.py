@@ -284,8 +284,8 @@ def run(
         model: the model, already loading since the command started (`api.model_load`); the
             model phase waits for it. None: the model phase loads it.
     """
-    if args.tensor_parallel_size > 1 or args.expert_parallel:
-        raise ValueError("serve does not support --tensor-parallel-size/--expert-parallel yet")
+    if args.expert_parallel and args.tensor_parallel_size < 2:
+        raise ValueError("--expert-parallel needs --tensor-parallel-size of 2 or more")
     if args.redis_url is None and shutil.which("redis-server") is None:
         print(f"longctx: error: {INSTALL_HINT}", flush=True, file=sys.stderr)
         return 2

@@ -115,7 +115,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         workers=WorkerConfig(workers=args.background_workers, claim_idle_s=args.job_claim_idle_s),
         engine=engine_config(
             args,
-            threads=placement(args.threads)[0],
+            # a sharded engine's ranks split the cores among them (`--threads`: per rank)
+            threads=args.threads if args.tensor_parallel_size > 1 else placement(args.threads)[0],
             enable_prefix_caching=not args.no_prefix_cache,
             kv_redis_prefix=f"{args.redis_prefix}:kv",
         ),

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -77,6 +78,7 @@ class Watchdog:
         self.children = children
         self.dead_after_s, self.interval_s = dead_after_s, interval_s
         self.stopping = threading.Event()
+        self.on_fail: Callable[[str], None] | None = None  # told the reason before this process exits
         self._thread = threading.Thread(target=self._loop, name="longctx-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
@@ -127,6 +129,11 @@ class Watchdog:
         msg = f"rank {rank} failed: {why}; stopping rank {self.rank}"
         log.error("%s", msg)
         print(f"longctx: error: {msg}", file=sys.stderr, flush=True)
+        if self.on_fail is not None:
+            try:
+                self.on_fail(f"rank {rank} failed: {why}")
+            except Exception:  # the process exits all the same
+                log.exception("could not report the failure")
         for child in self.children.values():
             if child.poll() is None:
                 child.kill()

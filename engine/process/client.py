@@ -128,6 +128,7 @@ class EngineClient(Generates):
         self._stopped = threading.Event()
         self._closing = False
         self._dead: str | None = None
+        self._failed: str | None = None  # the reason the engine process gave before exiting
         self._snapshot = EngineSnapshot()
         self.stats = _Stats()
         self._kv: dict[str, dict[str, int]] = {}
@@ -317,13 +318,16 @@ class EngineClient(Generates):
                         if answer is not None:
                             answer.written = msg.written
                             answer.event.set()
+                    elif isinstance(msg, wire.Failed):
+                        self._failed = msg.reason
                     elif isinstance(msg, wire.Stopped):
                         self._stopped.set()
                         return
                 elif self.proc.poll() is not None:
                     if self._from.poll(0):  # its last messages came in meanwhile
                         continue
-                    self._died(f"the engine process exited with code {self.proc.returncode}")
+                    why = f": {self._failed}" if self._failed else ""
+                    self._died(f"the engine process exited with code {self.proc.returncode}{why}")
                     return
         except Exception as e:  # a decoding bug: nothing more can be trusted from the channel
             log.exception("engine channel failed")

@@ -56,6 +56,8 @@ class LoadSpec:
     check_compiled: bool = True
     threads: int = 0
     log_level: int = logging.INFO
+    tensor_parallel_size: int = 1  # > 1: this process is rank 0 of a sharded engine (`engine/process/ranks.py`)
+    expert_parallel: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -276,6 +278,10 @@ def main(argv: list[str]) -> int:
         level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s"
     )
     logging.getLogger("longctx").setLevel(spec.log_level)
+    from engine.process import ranks
+
+    if ranks.is_worker(spec):  # rank 1..N-1 of a sharded engine: no channel, rank 0 drives it
+        return ranks.worker_main(spec)
     import zmq
 
     from engine.process import wire
@@ -293,6 +299,9 @@ def main(argv: list[str]) -> int:
         push.send(wire.encoder.encode(wire.Started(phase, data, error, bad_input)))
 
     phase = "loaded"
+    parallel: Any = None
+    watchdog: Any = None
+    runner: Any = None
     try:
         import torch
 
@@ -300,7 +309,10 @@ def main(argv: list[str]) -> int:
             torch.set_num_threads(spec.threads)
         from engine.loading.loader import load
 
-        loaded = load(**spec.load)
+        parallel, watchdog = ranks.join(spec)
+        if watchdog is not None:
+            ranks.on_rank_failure(watchdog, out_addr)
+        loaded = load(**spec.load, parallel=parallel)
         model = loaded.model
         started("loaded", replace(loaded, model=None))  # type: ignore[arg-type]  # its weights stay here
         build = None
@@ -311,6 +323,7 @@ def main(argv: list[str]) -> int:
                 continue
             msg = wire.to_engine.decode(pull.recv())
             if isinstance(msg, wire.Shutdown):
+                ranks.stop_workers(None, parallel, watchdog)
                 push.send(wire.encoder.encode(wire.Stopped()))
                 return 0
             if isinstance(msg, wire.Build):
@@ -320,12 +333,20 @@ def main(argv: list[str]) -> int:
             spec.config, kv_redis_url=build.kv_redis_url, kv_redis_prefix=build.kv_redis_prefix,
             enable_prefix_caching=build.enable_prefix_caching,
         )  # fmt: skip
+        if parallel.sharded and (config.kv_redis_url or config.host_cache_bytes):
+            log.warning("the host and Redis KV tiers are off on a sharded model")
+            config = replace(config, kv_redis_url=None, host_cache_bytes=0)
         hook, grammar = None, None
         if spec.grammar:
             hook, grammar = _factory(spec.grammar)(loaded.tokenizer, loaded.config.vocab_size)
         from engine.engine import Engine
 
-        engine = Engine(model, loaded.tokenizer, config, grammar_hook=hook, fingerprint=loaded.stats.fingerprint)
+        if parallel.sharded:
+            runner = ranks.driver_runner(model, config, parallel, watchdog)
+        engine = Engine(
+            model, loaded.tokenizer, config, grammar_hook=hook, fingerprint=loaded.stats.fingerprint,
+            parallel=parallel, runner=runner,
+        )  # fmt: skip
         info = EngineInfo(
             engine.max_model_len, engine.capacity_tokens, engine.model_config.vocab_size, engine.kv_spec.page_size,
             config, torch.get_num_threads(), os.getpid(),
@@ -356,7 +377,7 @@ def main(argv: list[str]) -> int:
             log.exception("engine process: phase %s failed", phase)
             started(phase, error=f"{type(e).__name__}: {e}")
         push.close(linger=5000)
-        return 1
+        return 1  # the other ranks (if any) end when this process does: their watchdogs lose the store
     # Commit waits only have something to wait for with a Redis tier (without one the loop answers them at once).
     waiter = _CommitWaiter(engine, ctx, out_addr) if config.kv_redis_url else None
     try:
@@ -364,6 +385,7 @@ def main(argv: list[str]) -> int:
     finally:
         if waiter is not None:
             waiter.close()
+        ranks.stop_workers(runner, parallel, watchdog)
     push.close(linger=5000)
     pull.close()
     ctx.term()

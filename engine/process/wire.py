@@ -154,12 +154,18 @@ class Stopped(msgspec.Struct, tag="stopped", array_like=True):
     """The engine process ended every request and is exiting."""
 
 
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    """The engine process is about to exit on a fault it can name (a rank of a sharded model died)."""
+
+    reason: str
+
+
 class CommitDone(msgspec.Struct, tag="commit_done", array_like=True):
     id: int
     written: bool  # every page queued before the wait reached Redis (False: the rest are marked pending)
 
 
-FromEngine = Outputs | Metrics | Started | Stopped | CommitDone
+FromEngine = Outputs | Metrics | Started | Stopped | CommitDone | Failed
 
 encoder = msgspec.msgpack.Encoder()
 to_engine = msgspec.msgpack.Decoder(ToEngine)

@@ -1,0 +1,99 @@
+"""`longctx serve --tensor-parallel-size 2` on the tiny Llama (demo tokenizer), through the
+`openai` client: the engine process is rank 0 and spawns rank 1; a conversation answers what a
+single-process server answers (greedy, float32); SIGKILL of rank 1 turns `/ready` 503 with an
+error naming it, then the server exits 1."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.redis_server import shared_redis
+from tests.server import TEST_KEY, Server, http_get, keys_args, running_server, start_server
+
+pytestmark = pytest.mark.slow
+ARGS = ("--dtype", "float32", "--kv-cache-bytes", "16MiB", "--served-model-name", "tiny", "--background-workers", "0")
+TP2 = ("--tensor-parallel-size", "2", "--threads", "1")
+QUESTIONS = ("Name three colours.", "And three animals?")
+
+
+def _client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=TEST_KEY, max_retries=0, timeout=120)
+
+
+def _conversation(server: Server, questions: tuple[str, ...] = QUESTIONS) -> list[tuple[list[str], list[float], int]]:
+    """Greedy turns of one conversation (Chat Completions, the history sent back each turn): per
+    turn, its tokens, their logprobs and the prompt tokens the server found cached."""
+    client = _client(server)
+    messages: list[Any] = []
+    turns = []
+    for q in questions:
+        messages.append({"role": "user", "content": q})
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            temperature=0,
+            max_tokens=12,
+            logprobs=True,  # type: ignore[arg-type]
+        )
+        choice = r.choices[0]
+        assert choice.logprobs is not None and choice.logprobs.content and r.usage is not None
+        details = r.usage.prompt_tokens_details
+        cached = details.cached_tokens if details is not None and details.cached_tokens else 0
+        turns.append(([t.token for t in choice.logprobs.content], [t.logprob for t in choice.logprobs.content], cached))
+        messages.append({"role": "assistant", "content": choice.message.content or ""})
+    return turns
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with shared_redis() as (url, _):
+        yield url
+
+
+def test_tensor_parallel_conversation_equals_one_process(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
+    keys = keys_args(tmp_path)
+    with running_server(tiny_model, *ARGS, *keys, log=tmp_path / "one.log", redis_url=redis_url) as one:
+        expected = _conversation(one)
+    log = tmp_path / "tp2.log"
+    with running_server(tiny_model, *ARGS, *TP2, *keys, log=log, redis_url=redis_url) as tp:
+        got = _conversation(tp)
+        text = log.read_text()
+        assert "spawned rank 1" in text and "rank 1 of 2 ready" in text, text[-3000:]
+    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(got, expected, strict=True):
+        assert tokens == ref_tokens and len(tokens) == 12
+        assert logprobs == pytest.approx(ref_logprobs, rel=1e-4, abs=1e-4)
+
+
+def test_rank_death_stops_the_server_naming_it(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
+    log = tmp_path / "tp2.log"
+    server = start_server(tiny_model, "--redis-url", redis_url, *ARGS, *TP2, *keys_args(tmp_path), log=log)
+    try:
+        spawned = re.search(r"spawned rank 1 \(pid (\d+)\)", log.read_text())
+        assert spawned is not None, server.log_tail()
+        os.kill(int(spawned.group(1)), signal.SIGKILL)
+        bodies = []
+        deadline = time.monotonic() + 60
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            status, body = http_get(server.url + "/ready", timeout_s=2.0)
+            if status == 503:
+                bodies.append(body)
+            time.sleep(0.05)
+        code = server.proc.wait(timeout=30)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    assert code == 1, server.log_tail()
+    stopped = [b for b in bodies if b.get("phase") == "engine_stopped"]
+    assert stopped, bodies
+    error = stopped[-1]["error"]  # the first may come before the reason is in
+    assert isinstance(error, dict) and "rank 1 failed" in str(error["message"]), stopped
+    assert "SIGKILL" in str(error["message"])
