@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from engine.distributed.kv_shards import ShardedConnector, ShardOps
 from engine.distributed.parallel import SINGLE, ParallelContext
 from engine.engine_config import EngineConfig
 from engine.kv_connector import KVConnector, NoConnector
@@ -83,8 +84,8 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         self.parallel = parallel
-        if parallel.sharded and (connector is not None or config.host_cache_bytes or config.kv_redis_url):
-            raise ValueError("the host and Redis KV tiers do not support tensor parallelism yet")
+        if parallel.sharded and connector is not None:
+            raise ValueError("a sharded engine builds its own KV connector (each rank keeps its slices)")
         self.grammar_hook = grammar_hook or GrammarHook()
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -102,6 +103,11 @@ class EngineCore:
         self.store: TieredStore | None = None
         if connector is None and (config.host_cache_bytes or config.kv_redis_url):
             connector = self.store = build_tiers(self.kv_cache, self.namespace, config)
+            if parallel.sharded:  # every rank keeps its slices; rank 0 decides what is usable
+                ops = getattr(runner, "ops", None)
+                if not isinstance(ops, ShardOps):
+                    raise ValueError("the KV tiers of a sharded engine need its DistributedRunner")
+                connector = ShardedConnector(self.store, ops)
         self.connector: KVConnector = connector or NoConnector()
         self.pool = BlockPool(self.kv_cache.num_pages, on_evict=self.connector.evict)
         self.prefill_rate = PrefillRate()  # what recomputing costs, against a tier lookup's wait

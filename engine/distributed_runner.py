@@ -4,6 +4,8 @@ Only rank 0 holds a scheduler, a block pool and the requests; the other ranks ho
 of the model and of the KV cache (the same pages, their own heads) and replay each step's
 plan, a list of `Chunk`s, exactly as rank 0 runs it. Logits are gathered on every rank (the
 vocabulary-parallel head), but only rank 0 samples, so nothing comes back from the workers.
+With the host or Redis KV tiers, each rank keeps its own slices of the pages; the connector's
+operations travel with the plan (`engine/distributed/kv_shards.py`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import logging
 import torch
 
 from engine.attention.registry import make_backend
+from engine.distributed.kv_shards import ShardOps, ShardStore
 from engine.distributed.launch import Watchdog
 from engine.distributed.parallel import ParallelContext
+from engine.engine_config import EngineConfig
+from engine.kv_tiers import build_tiers, kv_namespace
 from engine.model.model import CausalLM
 from engine.model_runner import Chunk, ModelRunner, build_kernels
 from kvstore.kv_cache import KVCache
@@ -28,19 +33,28 @@ class DistributedRunner(ModelRunner):
     """Rank 0's runner: announces the KV layout once, then broadcasts each step's plan and runs
     its own shard of it. Call `shutdown` to release the workers."""
 
-    def __init__(self, runner: ModelRunner, parallel: ParallelContext, watchdog: Watchdog | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        parallel: ParallelContext,
+        watchdog: Watchdog | None = None,
+        config: EngineConfig | None = None,
+    ):
+        """`config`: the engine's settings, when it has KV tiers (each rank then builds its own)."""
         super().__init__(runner.model, runner.kv_cache, runner.backend)
         assert parallel.is_driver
         self.parallel = parallel
         self.watchdog = watchdog
+        self.ops = ShardOps(parallel)  # the KV connector's operations for the other ranks
         spec = runner.kv_cache.spec
-        parallel.broadcast_object(("init", runner.kv_cache.num_pages, spec.page_size, spec.dtype, runner.backend.name))
+        init = ("init", runner.kv_cache.num_pages, spec.page_size, spec.dtype, runner.backend.name, config)
+        parallel.broadcast_object(init)
 
     def run(self, chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
         try:
             # A page table may be a view of a request's table: send only its live pages.
             sent = [dataclasses.replace(c, page_table=_own(c.page_table)) for c in chunks]
-            self.parallel.broadcast_object(("run", sent, all_logits))
+            self.parallel.broadcast_object(("run", sent, all_logits, self.ops.take()))
             return super().run(chunks, all_logits)
         except RuntimeError as e:  # gloo: a peer closed its socket; name it rather than the socket
             if self.watchdog is not None:
@@ -48,6 +62,7 @@ class DistributedRunner(ModelRunner):
             raise
 
     def shutdown(self) -> None:
+        self.ops.flush()  # the last step's pages still go to the other ranks' tiers
         self.parallel.broadcast_object(("stop",))
 
 
@@ -55,11 +70,14 @@ def _own(pages: list[int] | torch.Tensor) -> list[int] | torch.Tensor:
     return pages.clone() if isinstance(pages, torch.Tensor) else pages
 
 
-def serve_worker(model: CausalLM, parallel: ParallelContext, watchdog: Watchdog | None = None) -> int:
+def serve_worker(
+    model: CausalLM, parallel: ParallelContext, watchdog: Watchdog | None = None, fingerprint: str = ""
+) -> int:
     """A non-zero rank's loop: build the KV shard rank 0 announces, then run every plan it
-    broadcasts until it says stop. Returns the number of steps run."""
+    broadcasts until it says stop. Returns the number of steps run. `fingerprint`: the digest
+    of this rank's weights (`LoadStats.fingerprint`), which names its pages in the KV tiers."""
     try:
-        return _serve(model, parallel)
+        return _serve(model, parallel, fingerprint)
     except RuntimeError as e:
         if watchdog is not None:
             watchdog.explain(e)
@@ -69,11 +87,13 @@ def serve_worker(model: CausalLM, parallel: ParallelContext, watchdog: Watchdog 
             watchdog.stop()
 
 
-def _serve(model: CausalLM, parallel: ParallelContext) -> int:
+def _serve(model: CausalLM, parallel: ParallelContext, fingerprint: str) -> int:
     assert not parallel.is_driver
     msg = parallel.broadcast_object()
-    assert isinstance(msg, tuple) and msg[0] == "init", msg
-    _, num_pages, page_size, dtype, backend_name = msg
+    assert isinstance(msg, tuple) and msg[0] in ("init", "stop"), msg
+    if msg[0] == "stop":  # rank 0 stopped before building its engine
+        return 0
+    _, num_pages, page_size, dtype, backend_name, config = msg
     mc = model.config
     device = model.model.norm.weight.device
     spec = KVSpec(mc.num_layers, model.local_kv_heads, mc.head_dim, page_size, dtype)
@@ -81,11 +101,26 @@ def _serve(model: CausalLM, parallel: ParallelContext) -> int:
     backend = make_backend(backend_name, device, model.local_heads, model.local_kv_heads, mc.head_dim)
     runner = ModelRunner(model, KVCache(spec, num_pages, device), backend)
     log.info("rank %d: KV shard of %d pages, %.1f MB", parallel.rank, num_pages, runner.kv_cache.num_bytes / 1e6)
+    tiers = None
+    if config is not None and (config.host_cache_bytes or config.kv_redis_url):
+        namespace = kv_namespace(model, spec, config.kv_dtype, fingerprint, parallel)
+        tiers = ShardStore(build_tiers(runner.kv_cache, namespace, config), parallel, config.kv_lookup_timeout_s)
     steps = 0
-    while True:
-        msg = parallel.broadcast_object()
-        assert isinstance(msg, tuple)
-        if msg[0] == "stop":
-            return steps
-        runner.run(msg[1], msg[2])
-        steps += 1
+    try:
+        while True:
+            msg = parallel.broadcast_object()
+            assert isinstance(msg, tuple)
+            if msg[0] == "stop":
+                return steps
+            if msg[0] == "ops":
+                assert tiers is not None, "KV operations without tiers"
+                tiers.apply(msg[1])
+                continue
+            if msg[3]:
+                assert tiers is not None, "KV operations without tiers"
+                tiers.apply(msg[3])
+            runner.run(msg[1], msg[2])
+            steps += 1
+    finally:
+        if tiers is not None:
+            tiers.close()

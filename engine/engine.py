@@ -14,6 +14,7 @@ import threading
 import uuid
 
 from engine.core import AbortRequest, EngineCore
+from engine.distributed.kv_shards import ShardedConnector
 from engine.engine_config import EngineConfig
 from engine.model.vision.inputs import ImageInput
 from engine.request import (
@@ -150,6 +151,8 @@ class Engine(EngineCore, Generates):
         Any thread; True at once without a Redis tier."""
         if self.store is None or self.store.redis is None:
             return True
+        if isinstance(self.connector, ShardedConnector):  # a collective: on the stepping thread only
+            return self.connector.commit_wait(timeout_s)
         return self.store.redis.commit_wait(timeout_s)
 
     def __enter__(self) -> Engine:

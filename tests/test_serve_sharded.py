@@ -15,8 +15,9 @@ from typing import Any
 
 import openai
 import pytest
+import redis
 
-from tests.redis_server import shared_redis
+from tests.redis_server import delete_prefix, shared_redis, unique_prefix
 from tests.server import TEST_KEY, Server, http_get, keys_args, running_server, start_server
 
 pytestmark = pytest.mark.slow
@@ -97,3 +98,49 @@ def test_rank_death_stops_the_server_naming_it(tiny_model: Path, redis_url: str,
     error = stopped[-1]["error"]  # the first may come before the reason is in
     assert isinstance(error, dict) and "rank 1 failed" in str(error["message"]), stopped
     assert "SIGKILL" in str(error["message"])
+
+
+NOTES = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(12))
+
+
+def _pages_by_namespace(url: str, prefix: str) -> dict[str, int]:
+    client = redis.Redis.from_url(url)
+    try:
+        counts: dict[str, int] = {}
+        for key in client.scan_iter(match=prefix + "*", count=1000):
+            parts = key.decode().removeprefix(prefix).split(":")
+            if len(parts) == 2:  # namespace:hash (not a `:pending` mark)
+                counts[parts[0]] = counts.get(parts[0], 0) + 1
+        return counts
+    finally:
+        client.close()
+
+
+def test_restart_restores_each_ranks_kv_slices_from_redis(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
+    """TP=2 with the Redis KV tier: a turn, SIGKILL of the server, a second server on the same
+    Redis: the next turn of the conversation finds >= 80% of its prompt cached (every rank's
+    slices of those pages were there)."""
+    prefix = unique_prefix()
+    args = ("--redis-url", redis_url, "--kv-redis-url", redis_url, *ARGS, *TP2, *keys_args(tmp_path))
+    first = start_server(tiny_model, *args, log=tmp_path / "a.log", prefix=prefix)
+    try:
+        client = _client(first)
+        conv = client.conversations.create(items=[])
+        turn = client.responses.create(model="tiny", conversation=conv.id, input=NOTES, temperature=0,
+                                       max_output_tokens=4)  # fmt: skip
+        assert turn.usage is not None and turn.usage.input_tokens > 200
+    finally:
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait()
+    slices = _pages_by_namespace(redis_url, f"{prefix}:kv:")
+    assert len(slices) == 2 and len(set(slices.values())) == 1, slices  # one namespace per rank, every page in both
+    second = start_server(tiny_model, *args, log=tmp_path / "b.log", prefix=prefix)
+    try:
+        nxt = _client(second).responses.create(model="tiny", conversation=conv.id, input="Which hive gave most?",
+                                               temperature=0, max_output_tokens=4)  # fmt: skip
+        assert nxt.usage is not None
+        cached = nxt.usage.input_tokens_details.cached_tokens
+        assert cached >= 0.8 * nxt.usage.input_tokens, (cached, nxt.usage.input_tokens, second.log_tail())
+    finally:
+        assert second.stop() == 0, second.log_tail()
+        delete_prefix(redis_url, prefix)

@@ -198,7 +198,8 @@ class CoreLoop:
                 self.engine.abort(msg.request_id)
             elif isinstance(msg, wire.CommitWait):
                 if self.waiter is None:
-                    self.push.send(wire.encoder.encode(wire.CommitDone(msg.id, self.engine.kv_commit_wait(0.0))))
+                    written = self.engine.kv_commit_wait(msg.timeout_s)  # True at once without a Redis tier
+                    self.push.send(wire.encoder.encode(wire.CommitDone(msg.id, written)))
                 else:
                     self.waiter.waits.put(msg)
             elif isinstance(msg, wire.Shutdown):
@@ -333,9 +334,6 @@ def main(argv: list[str]) -> int:
             spec.config, kv_redis_url=build.kv_redis_url, kv_redis_prefix=build.kv_redis_prefix,
             enable_prefix_caching=build.enable_prefix_caching,
         )  # fmt: skip
-        if parallel.sharded and (config.kv_redis_url or config.host_cache_bytes):
-            log.warning("the host and Redis KV tiers are off on a sharded model")
-            config = replace(config, kv_redis_url=None, host_cache_bytes=0)
         hook, grammar = None, None
         if spec.grammar:
             hook, grammar = _factory(spec.grammar)(loaded.tokenizer, loaded.config.vocab_size)
@@ -379,7 +377,8 @@ def main(argv: list[str]) -> int:
         push.close(linger=5000)
         return 1  # the other ranks (if any) end when this process does: their watchdogs lose the store
     # Commit waits only have something to wait for with a Redis tier (without one the loop answers them at once).
-    waiter = _CommitWaiter(engine, ctx, out_addr) if config.kv_redis_url else None
+    # A sharded engine's commit wait is a collective: it runs on the loop's thread, between steps.
+    waiter = _CommitWaiter(engine, ctx, out_addr) if config.kv_redis_url and not parallel.sharded else None
     try:
         CoreLoop(engine, pull, push, grammar, parent, waiter).run()
     finally:

@@ -79,7 +79,7 @@ def driver_runner(model: CausalLM, config: Any, parallel: ParallelContext, watch
     from engine.model_runner import ModelRunner
 
     local = ModelRunner.for_model(model, config.page_size, config.kv_cache_bytes, config.attention_backend)
-    return DistributedRunner(local, parallel, watchdog)
+    return DistributedRunner(local, parallel, watchdog, config)
 
 
 def stop_workers(runner: Any, parallel: ParallelContext, watchdog: Watchdog | None) -> None:
@@ -106,7 +106,7 @@ def worker_main(spec: Any) -> int:
     parallel, watchdog = join(spec)
     loaded = load(**spec.load, parallel=parallel)
     log.info("rank %d: shard loaded (%.1f MB read)", parallel.rank, loaded.stats.bytes_read / 1e6)
-    steps = serve_worker(loaded.model, parallel, watchdog)
+    steps = serve_worker(loaded.model, parallel, watchdog, loaded.stats.fingerprint)
     log.info("rank %d: stopped after %d steps", parallel.rank, steps)
     if watchdog is not None:
         finish_parallel(watchdog)
