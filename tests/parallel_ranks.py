@@ -6,7 +6,9 @@ Kept apart from the test module so that a rank imports neither pytest nor transf
         a mixed prefill/decode step through a sharded runner on every rank, then greedy
         requests through the engine on rank 0 with the other ranks replaying its plans.
         Each rank saves its results per mode to OUT/rank{r}-{mode}.pt. A mode may name a
-        weight quantization after a dash (`tp-int8`, `tp-int4`: int4 with group 32).
+        weight quantization after a dash (`tp-int8`, `tp-int4`: int4 with group 32). Mode
+        `compiled`: tensor parallel through the compiled step (graphs cached under OUT), its
+        self-check of buckets 1 and 8 on every rank, then the mixed step (no engine run).
     serve MODEL: rank 0 spawns rank 1 itself and generates until killed.
 """
 
@@ -74,10 +76,19 @@ def greedy_with_engine(engine: Engine, vocab: int) -> list[list[int]]:
 
 def run_logits(model_dir: Path, out: Path, modes: list[str]) -> None:
     base, watchdog = init_parallel(2)
+    if "compiled" in modes:
+        from engine.model.compile_setup import configure
+
+        configure(out / f"compile-{base.rank}")
     for mode in modes:  # one process group, the model built again per mode
         kind, _, quant = mode.partition("-")
         ctx = ParallelContext(base.rank, base.world_size, kind == "ep", base.group)
-        torch.save(run_mode(ctx, model_dir, QuantConfig(quant or "none")), out / f"rank{ctx.rank}-{mode}.pt")
+        result = (
+            run_compiled(ctx, model_dir)
+            if kind == "compiled"
+            else run_mode(ctx, model_dir, QuantConfig(quant or "none"))
+        )
+        torch.save(result, out / f"rank{ctx.rank}-{mode}.pt")
     leave_together(watchdog)
 
 
@@ -101,6 +112,23 @@ def run_mode(ctx: ParallelContext, model_dir: Path, quant: QuantConfig = NONE) -
     else:
         result["steps"] = serve_worker(model, ctx)
     return result
+
+
+def run_compiled(ctx: ParallelContext, model_dir: Path) -> dict[str, object]:
+    """The compiled step on this rank's shard: its self-check (every rank in step: the checks'
+    eager and compiled runs both communicate), then the mixed step through it."""
+    from engine.model.compiled import CompiledStep
+    from engine.verify.self_check import check_bucket
+    from tests.tiny_models import run_mixed_step
+
+    config = ModelConfig.from_pretrained_dir(model_dir)
+    model, _ = load_model(config, SafetensorsSource(model_dir), torch.float32, progress=False, parallel=ctx)
+    runner = sharded_runner(model)
+    step = CompiledStep(model)
+    runner.step = step
+    checks = [check_bucket(step, b, PAGE_SIZE) for b in (1, 8)]
+    mixed = run_mixed_step(runner, BlockPool(runner.kv_cache.num_pages), prompts(config.vocab_size), MIXED_SPLIT)
+    return {"mixed": mixed, "checks": [c.error for c in checks], "buckets": sorted(step.compiled_buckets)}
 
 
 def run_serve(model_dir: Path) -> None:

@@ -137,6 +137,26 @@ def test_quantized_tensor_parallel_matches_single_process_quantized(tmp_path: Pa
             assert rel_error(ours, ref) < 1e-4, f"rank {r}"
 
 
+def test_compiled_step_on_tensor_parallel_matches_single_process(tmp_path: Path) -> None:
+    """The compiled step on 2 ranks (the all-reduces eager between the graphs): its self-check
+    passes on every rank, and the mixed step's float32 logits match one eager process."""
+    from engine.model.compile_setup import compile_available
+
+    if compile_available() is not None:
+        pytest.skip(str(compile_available()))
+    torch.set_num_threads(1)
+    t = build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path / "model")
+    (tmp_path / "out").mkdir()
+    results = launch_ranks(t.path, tmp_path / "out", ("compiled",))["compiled"]
+    runner = ranks.sharded_runner(t.model)
+    mixed = run_mixed_step(runner, BlockPool(runner.kv_cache.num_pages), ranks.prompts(t.config.vocab_size), 20)
+    for r, res in enumerate(results):
+        assert all(err < THRESHOLD for err in res["checks"]), (r, res["checks"])
+        assert res["buckets"], r  # steps really ran compiled
+        for ours, ref in zip(res["mixed"], mixed, strict=True):
+            assert rel_error(ours, ref) < THRESHOLD, f"rank {r}"
+
+
 def _replicated(name: str, shape: tuple[int, ...], num_kv_heads: int) -> bool:
     """Checkpoint tensors every rank reads whole: norms, routers, the shared expert's gate."""
     if len(shape) == 1 and "norm" in name:

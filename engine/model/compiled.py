@@ -11,7 +11,9 @@ second start loads them without tracing.
 
 The MoE experts stay eager (data-dependent routing: per-expert token counts vary per step); an
 MoE layer compiles o_proj -> residual -> norm and runs its sparse block eager. Under tensor
-parallelism (an all-reduce inside each region) the model runs eager.
+parallelism the post-attention region splits in two (`o_projection`, `mlp_block`) and the
+all-reduces after the row-parallel linears run eager between the graphs; such a step calls its
+regions through dynamo (no direct calls, no graph store).
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ from engine.model.compile_setup import prepare
 from engine.model.direct import DirectCall, Region, current_store, signature
 from engine.model.layers import DenseMLP
 from engine.model.model import CausalLM, DecoderLayer
-from engine.model.regions import LinearSpec, linear_spec, post_attention, pre_attention
+from engine.model.regions import (
+    LinearSpec,
+    linear_spec,
+    mlp_block,
+    o_projection,
+    post_attention,
+    pre_attention,
+)
+from engine.model.tp import gather_vocab
 from engine.model.vision.step import StepImages, add_deepstack, merge_embeddings, rotary
 
 log = logging.getLogger("longctx.compile")
@@ -56,15 +66,17 @@ class CompiledStep:
     """Callable like `CausalLM.forward`; runs the compiled regions for steps of up to 64 tokens."""
 
     def __init__(self, model: CausalLM):
-        if model.parallel.sharded:
-            raise ValueError("the compiled step does not support tensor parallelism (run with --no-compile)")
         self.model = model
+        self.tp = model.parallel if model.parallel.sharded else None  # eager all-reduces between regions
         self.pre = _compiled(pre_attention)
         self.post = _compiled(post_attention)
+        # by `which`: 0 = pre_attention, 1 = post_attention (or o_projection and 2 = mlp_block under TP)
+        split = (_compiled(o_projection), _compiled(mlp_block))
+        self.regions: tuple[Region, ...] = (self.pre, *split) if self.tp is not None else (self.pre, self.post)
         self.compiled_buckets: set[int] = set()
         # (bucket, layer, 0 = pre / 1 = post) -> the layer's graph called without dynamo.
         self.direct: dict[tuple[int, int, int], DirectCall | None] = {}
-        self.use_direct = True
+        self.use_direct = self.tp is None
         # bucket -> every layer's (pre, post) direct calls, once all are bound.
         self.bound: dict[int, list[tuple[DirectCall, DirectCall]]] = {}
         cfg = model.config
@@ -137,7 +149,13 @@ class CompiledStep:
                 o = backend.forward(index, q, kv[0], kv[1], cache, window)  # [T, H, D]
                 if pad:
                     o = F.pad(o, (0, 0, 0, 0, 0, pad))
-                x, residual = self._region(bucket, i, 1, (o, residual, *post_args, self.eps))
+                if self.tp is None:
+                    x, residual = self._region(bucket, i, 1, (o, residual, *post_args, self.eps))
+                else:
+                    attn = self.tp.all_reduce(self._region(bucket, i, 1, (o, post_args[0])))
+                    x, residual = self._region(bucket, i, 2, (attn, residual, *post_args[1:], self.eps))
+                    if sparse is None:  # the dense MLP's down projection is row-parallel too
+                        x = self.tp.all_reduce(x)
                 if sparse is not None:
                     x = sparse(x)
                 if deepstack:
@@ -152,7 +170,9 @@ class CompiledStep:
         elif pad:
             x, residual = x[:T], residual[:T]
         h = x + residual
-        logits = m.head(m.model.norm(h))  # [N, V] float32
+        logits = m.head(m.model.norm(h))  # [N, V] float32 ([N, V_local] under tensor parallelism)
+        if self.tp is not None:
+            logits = gather_vocab(logits, m.config.vocab_size, self.tp)
         self.compiled_buckets.add(bucket)
         return logits
 
@@ -185,13 +205,14 @@ class CompiledStep:
         return x, residual
 
     def _region(self, bucket: int, layer: int, which: int, args: tuple[Any, ...]) -> Any:
-        """Layer `layer`'s call of region `which` (0 = pre_attention, 1 = post_attention), whose
+        """Layer `layer`'s call of region `which` (0 = pre_attention, 1 = post_attention; under
+        tensor parallelism 1 = o_projection, 2 = mlp_block), whose
         activations (x and residual, or o and residual; and cos, sin) change per step; the graph
         is called directly once a call through dynamo has bound it (`engine/model/direct.py`)."""
         key = (bucket, layer, which)
         dynamic = (0, 1, len(args) - 4, len(args) - 3) if which == 0 else (0, 1)
         call = self.direct.get(key)
-        region = self.post if which else self.pre
+        region = self.regions[which]
         if call is not None and all(args[i].is_contiguous() for i in dynamic):
             out = call(*(args[i] for i in dynamic))
         elif not self.use_direct or key in self.direct:

@@ -1,7 +1,9 @@
 """The per-layer regions of the decoder as plain functions of tensors, for `torch.compile`.
 
 Two regions cover a dense layer outside attention: `pre_attention` (residual add -> RMSNorm ->
-QKV -> q/k norm -> RoPE) and `post_attention` (o_proj -> residual add -> RMSNorm -> MLP). Every
+QKV -> q/k norm -> RoPE) and `post_attention` (o_proj -> residual add -> RMSNorm -> MLP). Under
+tensor parallelism `post_attention` is two regions, `o_projection` and `mlp_block`, so that the
+all-reduces after the row-parallel o_proj and down projection run eager between them. Every
 weight arrives as an argument, never read from a module, so one compiled graph serves all the
 layers of a model (a module attribute would make the graph specialize on that layer). A linear
 travels as a `LinearSpec`: a static kind (part of the compiled graph's guards) and its tensors.
@@ -99,6 +101,29 @@ def post_attention(
     input of the MLP instead of its output."""
     T = o.shape[0]
     h = apply_linear(o.reshape(T, -1), o_proj) + h
+    normed = rms_norm(h, norm_w, eps)
+    if gate_up is None or down is None:
+        return normed, h
+    gate, up = apply_linear(normed, gate_up).chunk(2, dim=-1)
+    return apply_linear(F.silu(gate) * up, down), h
+
+
+def o_projection(o: torch.Tensor, o_proj: LinearSpec) -> torch.Tensor:
+    """This rank's part of o_proj(o) [T, hidden] (row-parallel: the parts are summed after)."""
+    return apply_linear(o.reshape(o.shape[0], -1), o_proj)
+
+
+def mlp_block(
+    attn: torch.Tensor,
+    h: torch.Tensor,
+    norm_w: torch.Tensor,
+    gate_up: LinearSpec | None,
+    down: LinearSpec | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`post_attention` after o_proj's all-reduce: (this rank's part of MLP(norm(attn + h)), attn + h);
+    without `gate_up` / `down` (an MoE layer) the normed input of the MLP instead."""
+    h = attn + h
     normed = rms_norm(h, norm_w, eps)
     if gate_up is None or down is None:
         return normed, h

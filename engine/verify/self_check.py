@@ -26,13 +26,10 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_paged import TorchPagedBackend
 from engine.model.compiled import BUCKETS, CompiledStep
-from engine.model.regions import post_attention, pre_attention
 from engine.verify.agreement import rel_error
 from engine.verify.bounds import compiled_bound
 
 log = logging.getLogger("longctx.compile")
-
-REGIONS = ("pre_attention", "post_attention")
 
 
 @dataclass(frozen=True)
@@ -96,10 +93,11 @@ def check_bucket(step: CompiledStep, bucket: int, page_size: int) -> BucketCheck
 
     def observe(_bucket: int, layer: int, which: int, args: tuple[Any, ...], out: Any) -> None:
         nonlocal worst
-        ref = (post_attention if which else pre_attention)(*args)
+        fn = step.regions[which].fn
+        ref = fn(*args)
         err = max(rel_error(a, b) for a, b in zip(_tensors(out), _tensors(ref), strict=True))
         if not err <= worst[1]:  # (NaN and inf included)
-            worst = (f"layer {layer} {REGIONS[which]}", err)
+            worst = (f"layer {layer} {fn.__name__}", err)
 
     step.observer = observe
     try:
