@@ -21,7 +21,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check engine kvstore sessions tools api tests bench
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy engine kvstore sessions tools api
+	$(VENV)/bin/mypy engine kvstore sessions tools api tests bench
 
 # Tests use LONGCTX_TEST_REDIS_URL (default redis://127.0.0.1:6379/15) or, when none answers, a
 # private redis-server of their own; tests that stop, pause or fill Redis, and the managed mode of

@@ -28,6 +28,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--background-workers", type=int, default=WorkerConfig.workers, help="background-response workers per process"
     )
     p.add_argument(
+        "--lease-ttl-ms",
+        type=int,
+        default=StoreConfig.lease_ttl_ms,
+        help="a running turn's conversation lease expires after this long without renewal (its server "
+        "died): its response then reads failed and the conversation takes new turns",
+    )
+    p.add_argument(
         "--job-claim-idle-s",
         type=float,
         default=WorkerConfig.claim_idle_s,
@@ -101,16 +108,18 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
 
     model_name = resolve_model(args.model).name
     redis_url = args.redis_url or f"unix://{longctx_home() / 'redis' / 'state.sock'}"  # managed: its socket
+    store = StoreConfig(prefix=args.redis_prefix, state_ttl_s=args.state_ttl, lease_ttl_ms=args.lease_ttl_ms)
     service = ServiceConfig(
         model=args.served_model_name or model_name,
         max_output_tokens=args.max_output_tokens,
         hosted_tools=args.hosted_tools,
         kv_commit_wait_s=args.kv_commit_wait_ms / 1000,
+        lease_renew_s=min(ServiceConfig.lease_renew_s, store.lease_ttl_ms / 3000),  # a third of the lease
         **generation_defaults(args.override_generation_config),
     )
     return ServeOptions(
         redis_url=redis_url,
-        store=StoreConfig(prefix=args.redis_prefix, state_ttl_s=args.state_ttl),
+        store=store,
         service=service,
         workers=WorkerConfig(workers=args.background_workers, claim_idle_s=args.job_claim_idle_s),
         engine=engine_config(

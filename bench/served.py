@@ -210,8 +210,10 @@ def run_in_process(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     config = EngineConfig(kv_cache_bytes=1 << 30, max_num_seqs=32, threads=args.threads, compile=compiled)
     engine = Engine(loaded.model, loaded.tokenizer, config)
     if compiled:
+        from engine.model.compiled import CompiledStep
         from engine.verify.self_check import warm_up_and_check
 
+        assert isinstance(engine.runner.step, CompiledStep)
         warm_up_and_check(engine.runner.step, engine.kv_spec.page_size)
     tok = loaded.tokenizer
 

@@ -8,7 +8,6 @@ prompt pages; no key or a wrong one is 401."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import signal
@@ -41,7 +40,7 @@ WEATHER: Any = {
                        "additionalProperties": False},
     },
 }  # fmt: skip
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 KEYS = "# key tenant\nkey-a  tenant-a\nkey-b tenant-b  # the second tenant\n"
@@ -86,7 +85,7 @@ def test_text_streamed_and_not_with_usage_and_cache(client: openai.OpenAI, model
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == done.choices[0].finish_reason
     usage = chunks[-1].usage
     assert not chunks[-1].choices and usage is not None
-    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens > 0
+    assert usage.prompt_tokens_details is not None and (usage.prompt_tokens_details.cached_tokens or 0) > 0
 
 
 class Capital(BaseModel):
@@ -143,11 +142,12 @@ def test_logprobs_seed_and_stop(client: openai.OpenAI, model: str) -> None:
     content = done.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content and all(len(t.top_logprobs) == 5 and t.bytes is not None for t in content)
     seeded = [
-        client.chat.completions.create(model=model, messages=QUESTION, temperature=1, seed=7, max_tokens=12)  # type: ignore[arg-type]
+        client.chat.completions.create(model=model, messages=QUESTION, temperature=1, seed=seed, max_tokens=12)  # type: ignore[arg-type]
         .choices[0].message.content
-        for _ in range(2)
+        for seed in (7, 7, 8, 9, 10)
     ]  # fmt: skip
-    assert seeded[0] == seeded[1]
+    assert seeded[0] == seeded[1], "the same seed sampled another reply"
+    assert set(seeded[2:]) - {seeded[0]}, f"other seeds all sampled seed 7's reply: {seeded}"
     full = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)  # type: ignore[arg-type]
     text = full.choices[0].message.content or ""
     word = text.split()[1] if len(text.split()) > 1 else text[-2:]
@@ -207,7 +207,7 @@ def test_tenants(server: Server, client: openai.OpenAI, model: str) -> None:
     b = other.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=2)
     assert a.usage is not None and a.usage.prompt_tokens_details is not None
     assert b.usage is not None and b.usage.prompt_tokens_details is not None
-    assert a.usage.prompt_tokens_details.cached_tokens > 0 and b.usage.prompt_tokens_details.cached_tokens == 0
+    assert (a.usage.prompt_tokens_details.cached_tokens or 0) > 0 and b.usage.prompt_tokens_details.cached_tokens == 0
     with pytest.raises(openai.AuthenticationError):
         _client(server, "wrong").models.list()
     bare = httpx.get(server.url + "/v1/models", timeout=10)
@@ -348,9 +348,6 @@ def test_sigterm_with_a_stream_in_flight(server: Server, client: openai.OpenAI, 
     chunks = iter(stream)
     next(chunks)
     server.proc.send_signal(signal.SIGTERM)
-    t0 = time.monotonic()
-    with contextlib.suppress(openai.APIError, httpx.HTTPError):
-        for _ in chunks:
-            pass
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]  # no error: the stream ends whole
+    assert finish and finish[-1] in ("stop", "length"), finish[-3:]
     assert server.proc.wait(timeout=60) == 0, server.log_tail()
-    assert time.monotonic() - t0 < 5 + 20  # the grace, plus the engine's and Redis' shutdown on busy cores

@@ -13,7 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import msgspec
@@ -62,6 +62,7 @@ def served(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         conv = a.conversations.create(items=[{"type": "message", "role": "user", "content": "Hi"}])
         item = a.conversations.items.list(conv.id).data[0].id
         resp = a.responses.create(model="demo", input="Hello", max_output_tokens=2, temperature=0)
+        assert item is not None
         yield Served(s, url, conv.id, item, resp.id)
 
 
@@ -259,7 +260,7 @@ def snapshot(url: str, prefix: str) -> dict[str, Any]:
         key = raw.decode()
         if key.endswith(COUNTERS):
             continue
-        kind = r.type(key).decode()
+        kind = cast(bytes, r.type(key)).decode()
         if kind == "string":
             out[key] = r.get(key)
         elif kind == "hash":  # a conversation's lease fence counter is a field of its hash
@@ -324,10 +325,12 @@ def test_unknown_fields_are_ignored(served: Served) -> None:
     """Clients send fields this server does not know yet: at the top and nested, they are ignored."""
     a = openai.OpenAI(base_url=served.server.url + "/v1", api_key="key-a", max_retries=0, timeout=60)
     new = {"brand_new_field": {"x": [1]}, "another_one": 3}
+    items: Any = [{"role": "user", "content": "Hi", "new_item_field": 1}]
+    tools: Any = [FN | {"new_tool_field": True}]
+    text: Any = {"format": {"type": "text", "new": 1}}
     r = a.responses.create(
-        model="demo", input=[{"role": "user", "content": "Hi", "new_item_field": 1}],  # type: ignore[list-item]
-        tools=[FN | {"new_tool_field": True}], text={"format": {"type": "text", "new": 1}},  # type: ignore[list-item,typeddict-unknown-key]
-        max_output_tokens=2, temperature=0, store=False, extra_body=new,
+        model="demo", input=items, tools=tools, text=text, max_output_tokens=2, temperature=0, store=False,
+        extra_body=new,
     )  # fmt: skip
     assert r.status in ("completed", "incomplete")
     conv = a.conversations.create(items=[], extra_body=new)

@@ -13,6 +13,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -59,7 +60,7 @@ def test_router_affinity_retry_and_failover(demo_gguf: Path, tmp_path: Path) -> 
                 time.sleep(0.1)
             client = openai.OpenAI(base_url=base + "/v1", api_key=TEST_KEY, max_retries=0, timeout=300)
 
-            def turn(**kw: object) -> tuple[str, openai.types.responses.Response]:
+            def turn(**kw: Any) -> tuple[str, openai.types.responses.Response]:
                 raw = client.responses.with_raw_response.create(model="demo", temperature=0, max_output_tokens=6, **kw)  # type: ignore[arg-type]
                 return raw.headers["x-longctx-replica"], raw.parse()
 
