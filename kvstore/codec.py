@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 
 import msgspec
 import torch
@@ -129,7 +130,7 @@ class PageCodec:
             raise BadPage("payload checksum mismatch")
         return payload
 
-    def to_tensor(self, payloads: list[Payload]) -> torch.Tensor:
+    def to_tensor(self, payloads: Sequence[Payload]) -> torch.Tensor:
         """Verified payloads -> [N, L, 2, P, H, D] in the model dtype."""
         buf = bytearray().join(payloads)  # one copy, writable (b"".join then bytearray() copied twice)
         n = len(payloads)
