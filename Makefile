@@ -38,8 +38,11 @@ compiler: $(STAMP)
 		( (apt-get update -q && apt-get install -y -q g++ python3-dev) || \
 		  (sudo apt-get update -q && sudo apt-get install -y -q g++ python3-dev) )
 
+# Two pytest workers (pytest-xdist), one test module at a time each (its module-scoped servers
+# start once): model loads, server starts and subprocesses of one overlap the other's work.
+PYTEST_WORKERS ?= 2
 pytest: $(STAMP) pull redis compiler
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
 
 test: lint typecheck pytest
 

@@ -336,7 +336,8 @@ def test_longctx_chat_piped(server: Server) -> None:
 
 
 def test_sigterm_with_a_stream_in_flight(server: Server, client: openai.OpenAI, model: str) -> None:
-    """Last in the module: it stops the server. The stream ends, the process exits 0 within the grace."""
+    """Last in the module: it stops the server. The stream ends whole (its last chunk has a finish
+    reason: stopped within the grace if need be), the process exits 0."""
     stream = client.chat.completions.create(
         model=model,
         messages=QUESTION,

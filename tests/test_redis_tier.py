@@ -160,7 +160,7 @@ def _still_paused(url: str) -> bool:
 
 def _pause_ended(url: str) -> None:
     """Returns once the server takes writes again (a write that waits out the pause)."""
-    probe = redis.Redis.from_url(url, db=1)
+    probe = redis.Redis.from_url(url, db=1, socket_timeout=60)
     try:
         probe.set("probe", 2)
     finally:

@@ -84,14 +84,8 @@ def test_health_answers_before_ready(server: Server) -> None:
     assert set(server.ready_phases) <= {"starting", "redis", "model", "engine", "compile", "warm-up", "routes"}
     status, body = http_get(server.url + "/ready")
     assert status == 200 and body["status"] == "ready"
-    assert set(cast(dict[str, float], body["phase_seconds"])) == {
-        "redis",
-        "model",
-        "engine",
-        "compile",
-        "warm-up",
-        "routes",
-    }  # type: ignore[arg-type]
+    phases = set(cast(dict[str, float], body["phase_seconds"]))
+    assert phases == {"redis", "model", "engine", "compile", "warm-up", "routes"}
 
 
 def test_unknown_route_is_an_openai_error(server: Server) -> None:
@@ -106,7 +100,7 @@ def test_unknown_route_is_an_openai_error(server: Server) -> None:
         }
     }
     status, body = _request("POST", server.url + "/health", b"{not json")
-    assert status == 405 and set(cast(dict[str, Any], body["error"])) == {"message", "type", "param", "code"}  # type: ignore[arg-type]
+    assert status == 405 and set(cast(dict[str, Any], body["error"])) == {"message", "type", "param", "code"}
 
 
 def test_without_redis_server_exits_2(tiny_model: Path, tmp_path: Path) -> None:
