@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Annotated, Any
 
@@ -53,6 +55,15 @@ def health() -> dict[str, str]:
 
 
 MAX_WAIT_COMPILED_S = 900.0
+COMPILED_POLL_S = 0.05
+
+
+async def _compiled(state: ServerState, compiled: threading.Event, timeout_s: float) -> None:
+    """Until `compiled` is set, `timeout_s` passes or the server begins to stop (holding no
+    thread: the event is set by the engine client's reader thread)."""
+    deadline = time.monotonic() + timeout_s
+    while not compiled.is_set() and not state.draining and time.monotonic() < deadline:
+        await asyncio.sleep(COMPILED_POLL_S)
 
 
 @get("/ready", responses={503: ResponseSpec(ReadyBody, description="not ready: the phase")})
@@ -67,7 +78,7 @@ async def ready(
     state = server_state(request)
     engine = state.engine
     if wait_compiled_s and state.ready and engine is not None:
-        await asyncio.to_thread(engine.compiled.wait, wait_compiled_s)
+        await _compiled(state, engine.compiled, wait_compiled_s)
     if state.ready and engine is not None and not engine.alive:  # the engine process died
         err = ErrorObject(message=state.error or "the engine is not running", type="server_error")
         return Response(ReadyBody(phase="engine_stopped", error=err), status_code=503)
