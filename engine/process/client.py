@@ -386,11 +386,11 @@ class EngineClient(Generates):
                 handle.push(RequestOutput(rid, [], "", None, reason, 0, 0, error))
 
     def _died(self, reason: str) -> None:
+        self.compiled.set()  # nothing more will compile: a waiter goes on
         if self._closing:
             self._stopped.set()
             return
         self._dead = reason
-        self.compiled.set()
         log.error("%s", reason)
         if self.admission is not None:
             self.admission.close()

@@ -12,8 +12,8 @@ Startup, in order, each phase answered with `wire.Started`: `loaded` (the model;
 KV Redis URL) `engine` (payload: `EngineInfo`), then `compiled` (the compiled step's report, or
 None). With `Build.background` the buckets compile in the background (`background_compile.py`):
 `compiled` answers at once with every bucket pending, and a `wire.Compiled` follows each bucket
-the loop switches in. A phase that fails answers with its error and the process exits 1. It also exits when
-its parent goes away (Linux's parent-death signal, and a check of the parent's pid). On
+the loop switches in. A phase that fails answers with its error and the process exits 1. It also
+exits when its parent goes away (Linux's parent-death signal, and a check of the parent's pid). On
 `wire.Shutdown` it ends every open request with `abort`, sends them, then `wire.Stopped`.
 
 Structured output: the request carries its grammar's key (`wire.GrammarSpec`); the matcher is
