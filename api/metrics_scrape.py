@@ -17,7 +17,7 @@ returned that were not used), the engine's own histograms as `longctx:engine_*` 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -48,7 +48,7 @@ def _counter(name: str, help: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, help, value=value)
 
 
-def _labelled(family: Any, name: str, help: str, label: str, values: dict[Any, float]) -> Metric:
+def _labelled(family: Any, name: str, help: str, label: str, values: Mapping[Any, float]) -> Metric:
     """A gauge or counter family with one sample per value of `label`."""
     metric = family(name, help, labels=[label])
     for key, value in values.items():
@@ -112,9 +112,14 @@ class ScrapeCollector:
         yield _labelled(
             GaugeMetricFamily,
             "longctx:compiled_bucket",
-            "compiled step buckets: 1 compiled, 0 eager",
+            "compiled step buckets: 1 compiled, 0 eager (failed, or still compiling)",
             "bucket",
-            {c.bucket: int(c.ok) for c in report.checks},
+            {b: 0 for b in report.pending} | {c.bucket: int(c.ok) for c in report.checks},
+        )
+        yield _gauge(
+            "longctx:compiled_buckets_compiling",
+            "compiled step buckets compiling in the background",
+            len(report.pending),
         )
         yield _labelled(
             GaugeMetricFamily,

@@ -101,7 +101,6 @@ class ServerState:
     engine: EngineClient | None = None  # the engine process's client (`engine/process/client.py`)
     redis: Redis | None = None  # redis.asyncio client of the state Redis, bound to the server's loop
     grammar: GrammarCompiler | None = None  # for the model's tokenizer
-    compile_report: CompileReport | None = None  # the compiled step's buckets and their self-check
     # Run on the event loop during the `routes` phase (e.g. build the session store and
     # service, start background workers) and, in reverse order, on shutdown.
     on_startup: list[Hook] = field(default_factory=list)
@@ -117,6 +116,12 @@ class ServerState:
     # Called (from the signal handler: keep them short, no awaiting) when SIGTERM starts the drain.
     on_drain: list[Callable[[], None]] = field(default_factory=list)
     drain_deadline: float | None = None  # time.monotonic() by which every stream must have ended
+
+    @property
+    def compile_report(self) -> CompileReport | None:
+        """The compiled step's buckets and their self-check, as the engine last reported them."""
+        engine = self.engine
+        return None if engine is None else engine.compile_report  # type: ignore[no-any-return]
 
     def begin_drain(self) -> None:
         """No new work from now on; the grace (`shutdown_grace_s`) starts once."""

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from tests.redis_server import shared_redis
-from tests.server import Server, running_server
+from tests.server import Server, running_server, wait_compiled
 
 ARGS = (
     "--compile", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "0",
@@ -52,6 +52,7 @@ def server(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     (tmp / "keys").write_text(KEYS)
     args = (*ARGS, "--api-keys-file", str(tmp / "keys"))
     with shared_redis() as (url, _), running_server(demo_gguf, *args, log=tmp / "serve.log", redis_url=url) as s:
+        wait_compiled(s)  # every test here runs on the compiled step, as a user's server soon does
         yield s
 
 
@@ -308,15 +309,17 @@ def test_metrics(server: Server, client: openai.OpenAI, model: str) -> None:
 
 
 def test_compiled_buckets_self_checked_on_ready_and_metrics(server: Server) -> None:
-    """The compile phase self-checked every bucket against the eager modules: all passed here, and
-    `/ready` and `/metrics` say which buckets are compiled."""
+    """The background compile self-checked every bucket against the eager modules: all passed
+    here (the fixture waited for it), and `/ready` and `/metrics` say which buckets are compiled."""
     ready = httpx.get(server.url + "/ready", timeout=10).json()
     assert ready["compiled_buckets"] == [1, 2, 4, 8, 16, 32, 64] and ready["eager_buckets"] == {}, ready
+    assert ready["compiling_buckets"] == [], ready
     assert "compile" in ready["phase_seconds"]
     samples = _samples(httpx.get(server.url + "/metrics", timeout=10).text)
     assert samples["longctx:compiled_bucket_mismatch_total"] == 0
     assert all(samples[f'longctx:compiled_bucket{{bucket="{b}"}}'] == 1 for b in (1, 2, 4, 8, 16, 32, 64))
     assert 0 < samples['longctx:compiled_bucket_logits_error{bucket="1"}'] < 5e-2
+    assert samples["longctx:compiled_buckets_compiling"] == 0
     assert "self-checked 7 compiled buckets" in server.log.read_text(errors="replace")
 
 
