@@ -22,7 +22,7 @@ import pytest
 
 from sessions.config import ImageConfig
 from sessions.errors import InvalidParam
-from sessions.image_parts import ImageParts
+from sessions.image_parts import ImageParts, check_image
 from tests.server import TEST_KEY, Server, keyed_server
 from tests.vision_models import TinyVLM, build_tiny_vlm, image, reference_greedy
 
@@ -222,6 +222,12 @@ def test_url_policy(files: str) -> None:
     assert asyncio.run(read(ImageConfig(allow_urls=True, allow_private_urls=True), url)) == Files.files["/cat.gif"]
     with pytest.raises(InvalidParam, match="over 100 bytes"):
         asyncio.run(read(ImageConfig(allow_urls=True, allow_private_urls=True, max_bytes=100), url))
+    for fmt in ("PNG", "JPEG", "WEBP", "GIF"):  # what Pillow reads of each (a GIF: its first frame)
+        check_image(png(1, fmt=fmt), "p", ImageConfig())
+    with pytest.raises(InvalidParam, match="TIFF is not supported"):
+        check_image(png(1, fmt="TIFF"), "p", ImageConfig())
+    with pytest.raises(InvalidParam, match="not a readable image"):
+        check_image(png(1)[:200], "p", ImageConfig())  # a truncated PNG: its header reads, its pixels do not
     text_model = ImageParts(ImageConfig(), None, "demo")
     with pytest.raises(InvalidParam, match="the model demo takes no image input"):
         asyncio.run(text_model.chat_messages([{"role": "user", "content": [{"type": "image_url"}]}]))
