@@ -12,7 +12,7 @@ from pathlib import Path
 
 from api.engine_args import engine_config, parse_bytes
 from api.state import ServeOptions
-from sessions.config import ServiceConfig, StoreConfig, WorkerConfig, generation_defaults
+from sessions.config import ImageConfig, ServiceConfig, StoreConfig, WorkerConfig, generation_defaults
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -93,6 +93,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="hosted tools (web_search, ...) in a request: ignore (not offered to the model, echoed) or reject (400)",
     )
     p.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs of image parts (default: data URLs only)",
+    )
+    p.add_argument(
+        "--allow-private-image-urls",
+        action="store_true",
+        help="with --allow-image-urls: fetch from loopback, link-local and private addresses too",
+    )
+    p.add_argument(
+        "--max-image-bytes", type=parse_bytes, default=ImageConfig.max_bytes, help="largest image part (over: 400)"
+    )
+    p.add_argument(
+        "--max-image-pixels", type=int, default=ImageConfig.max_pixels, help="most pixels of an image (over: 400)"
+    )
+    p.add_argument(
+        "--max-images", type=int, default=ImageConfig.max_images, help="most image parts in one request (over: 400)"
+    )
+    p.add_argument(
         "--max-queued-per-tenant", type=int, default=None, help="waiting requests per tenant (default: --max-queued/2)"
     )
     p.add_argument(
@@ -115,6 +134,13 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         hosted_tools=args.hosted_tools,
         kv_commit_wait_s=args.kv_commit_wait_ms / 1000,
         lease_renew_s=min(ServiceConfig.lease_renew_s, store.lease_ttl_ms / 3000),  # a third of the lease
+        images=ImageConfig(
+            allow_urls=args.allow_image_urls,
+            allow_private_urls=args.allow_private_image_urls,
+            max_bytes=args.max_image_bytes,
+            max_pixels=args.max_image_pixels,
+            max_images=args.max_images,
+        ),
         **generation_defaults(args.override_generation_config),
     )
     return ServeOptions(
