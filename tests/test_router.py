@@ -12,6 +12,7 @@ stops withdraws its entry."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -127,11 +128,12 @@ def test_router_affinity_retry_and_failover(demo_gguf: Path, tmp_path: Path) -> 
             assert third == first and _metrics(base2)[("longctx_router_prefix_hits_total", "")] == 1
 
             chain, prev = set(), None
-            for q in ["Name a colour.", "Another one.", "A third."]:
+            for q in [NOTES + " Name a colour.", "Another one.", "A third."]:
                 replica, r = turn(input=q, previous_response_id=prev)
                 chain.add(replica)
                 prev = r.id
             assert len(chain) == 1
+            chain_home = chain.pop()
 
             events = list(client.responses.create(model="demo", conversation=conv.id, input="Bye.", stream=True,
                                                   max_output_tokens=6, temperature=0))  # fmt: skip
@@ -155,20 +157,39 @@ def test_router_affinity_retry_and_failover(demo_gguf: Path, tmp_path: Path) -> 
             assert m[("longctx_router_retried_429_total", "")] >= 1 and len(set(got)) == 2, (m, got)
             assert m[("longctx_router_affinity_hits_total", "")] >= 5
 
-            dying = next(s for s in servers if s.url == home)
+            # a stream on the chain's replica, which is killed once the stream has begun: the
+            # stream ends with the router's error event, the replica leaves both routers' rotation
+            # within 5 s, and the chain goes on on the other replica, its KV read from Redis
+            dying = next(s for s in servers if s.url == chain_home)
             other = next(s for s in servers if s is not dying)
-            dying.proc.send_signal(signal.SIGKILL)
+            body = {"model": "demo", "previous_response_id": prev, "input": "Count from 1 to 100.", "stream": True,
+                    "max_output_tokens": 64, "temperature": 0}  # fmt: skip
+            names = []
+            with httpx.stream("POST", base + "/v1/responses", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {TEST_KEY}"}) as stream:  # fmt: skip
+                assert stream.headers["x-longctx-replica"] == chain_home
+                for line in stream.iter_lines():
+                    if line.startswith("event: "):
+                        names.append(line.removeprefix("event: "))
+                        if names[-1] == "response.created":
+                            dying.proc.send_signal(signal.SIGKILL)
+                            t0 = time.monotonic()
+                    elif line.startswith("data: ") and names[-1] == "error":
+                        assert json.loads(line.removeprefix("data: "))["code"] == "replica_failed"
+            assert names[0] == "response.created" and names[-1] == "error", names
             dying.proc.wait()
-            t0 = time.monotonic()
-            while _metrics(base)[("longctx_router_replica_up", home)] != 0:
-                assert time.monotonic() - t0 < 5
-                time.sleep(0.1)
-            while _metrics(base2)[("longctx_router_replica_up", home)] != 0:
-                assert time.monotonic() - t0 < 5
-                time.sleep(0.1)
-            replica, r = turn(conversation=conv.id, input="Still there?")
+            for b in (base, base2):
+                while _metrics(b)[("longctx_router_replica_up", chain_home)] != 0:
+                    assert time.monotonic() - t0 < 5
+                    time.sleep(0.1)
+            replica, r = turn(previous_response_id=prev, input="Still there?")
             assert replica == other.url and r.usage is not None
             assert r.usage.input_tokens_details.cached_tokens >= 0.8 * r.usage.input_tokens
+
+            # the router's own routes are open, as a replica's are; /v1 is the replica's to refuse
+            assert httpx.get(base + "/metrics").status_code == 200 and httpx.get(base + "/ready").status_code == 200
+            refused = httpx.post(base + "/v1/responses", json={"model": "demo", "input": "Hi."}, timeout=30)
+            assert refused.status_code == 401 and refused.headers["x-longctx-replica"] == other.url
             other.stop()  # a clean stop withdraws the entry at once
             assert state.zscore(registry.set_key(prefix), other.url) is None
             assert state.get(registry.entry_key(prefix, other.url)) is None
