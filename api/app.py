@@ -32,6 +32,7 @@ from api.auth import auth_guard
 from api.body_limit import body_limit
 from api.errors import handle_exception
 from api.metrics import http_metrics, metrics
+from api.registration import recorder
 from api.schemas import ErrorObject, ReadyBody
 from api.state import ServerState
 
@@ -148,7 +149,7 @@ def create_app(
     max_body_bytes = state.options.max_body_bytes
     app = Litestar(
         route_handlers=[health, ready, metrics, *routes],
-        middleware=[http_metrics, body_limit(max_body_bytes)],
+        middleware=[http_metrics, body_limit(max_body_bytes), recorder(state)],
         guards=[auth_guard],  # /v1 only: the request's tenant, or 401
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],

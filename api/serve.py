@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import psutil
 import uvicorn
 
-from api import auth, limits
+from api import auth, limits, registration
 from api.app import create_app
 from api.managed_redis import INSTALL_HINT, ManagedRedis, cache_args, state_args
 from api.model_load import ModelLoad
@@ -296,6 +296,7 @@ def run(
     try:
         auth.configure(state)
         limits.configure(state)
+        registration.configure(state)
     except auth.KeysFileError as e:
         print(f"longctx: error: {e}", flush=True, file=sys.stderr)
         return 2

@@ -22,6 +22,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="state Redis; default: a managed redis-server")
     p.add_argument("--redis-prefix", default=StoreConfig.prefix, help="prefix of every state key")
     p.add_argument(
+        "--advertise-url", default=None,
+        help="the URL `longctx route --replicas-from-redis` reaches this server at, published in the state "
+        "Redis (default: http://HOST:PORT)",
+    )  # fmt: skip
+    p.add_argument(
         "--state-ttl", type=int, default=StoreConfig.state_ttl_s, help="seconds conversations and responses live"
     )
     p.add_argument(
@@ -162,4 +167,5 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         kv_redis_max_memory=args.kv_redis_max_memory,
         host=args.host,
         port=args.port,
+        advertise_url=args.advertise_url,
     )
