@@ -94,7 +94,7 @@ def expected(t: TinyVLM, picture: bytes, n: int) -> tuple[int, str]:
     return len(ids), tok.decode(reference_greedy(t, ids, images, n), skip_special_tokens=True)
 
 
-def user_turn(url: str, kind: str = "responses") -> list[dict[str, Any]]:
+def user_turn(url: str, kind: str = "responses") -> Any:  # the clients' message params, built as dicts
     if kind == "chat":
         parts = [{"type": "image_url", "image_url": {"url": url, "detail": "low"}}, {"type": "text", "text": QUESTION}]
     else:
@@ -106,7 +106,7 @@ def test_responses_and_chat_answer_as_transformers(vlm: TinyVLM, client: openai.
     picture = png(1)
     n_prompt, text = expected(vlm, picture, 6)
     url = data_url(picture)
-    resp = client.responses.create(model="vlm", input=user_turn(url), temperature=0, max_output_tokens=6)  # type: ignore[arg-type]
+    resp = client.responses.create(model="vlm", input=user_turn(url), temperature=0, max_output_tokens=6)
     assert resp.status == "completed" or resp.incomplete_details is not None
     assert text.startswith(resp.output_text) and len(resp.output_text) > 0
     assert resp.usage is not None and resp.usage.input_tokens == n_prompt  # the image's placeholders counted
@@ -115,11 +115,11 @@ def test_responses_and_chat_answer_as_transformers(vlm: TinyVLM, client: openai.
         input=user_turn(url),
         temperature=0,
         max_output_tokens=6,
-        stream=True,  # type: ignore[arg-type]
+        stream=True,
     )
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed == resp.output_text
-    chat = client.chat.completions.create(model="vlm", messages=user_turn(url, "chat"), temperature=0, max_tokens=6)  # type: ignore[arg-type]
+    chat = client.chat.completions.create(model="vlm", messages=user_turn(url, "chat"), temperature=0, max_tokens=6)
     assert chat.choices[0].message.content == resp.output_text
     assert chat.usage is not None and chat.usage.prompt_tokens == n_prompt
     chunks = client.chat.completions.create(
@@ -127,7 +127,7 @@ def test_responses_and_chat_answer_as_transformers(vlm: TinyVLM, client: openai.
         messages=user_turn(url, "chat"),
         temperature=0,
         max_tokens=6,
-        stream=True,  # type: ignore[arg-type]
+        stream=True,
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == resp.output_text
 
@@ -142,7 +142,7 @@ def test_conversation_renders_its_image_again(client: openai.OpenAI) -> None:
         conversation=conv.id,
         input=user_turn(url),
         temperature=0,
-        max_output_tokens=4,  # type: ignore[arg-type]
+        max_output_tokens=4,
     )
     second = client.responses.create(
         model="vlm", conversation=conv.id, input="And now?", temperature=0, max_output_tokens=4
@@ -161,7 +161,7 @@ def test_image_url_fetched_from_loopback_with_the_flag(vlm: TinyVLM, client: ope
         model="vlm",
         input=user_turn(files + "/cat.gif"),
         temperature=0,
-        max_output_tokens=4,  # type: ignore[arg-type]
+        max_output_tokens=4,
     )
     assert resp.usage is not None and resp.usage.input_tokens == n_prompt
     assert text.startswith(resp.output_text) and resp.output_text
