@@ -21,7 +21,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check engine kvstore sessions tools api tests bench
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy engine kvstore sessions tools api
+	$(VENV)/bin/mypy engine kvstore sessions tools api tests bench
 
 # Tests use LONGCTX_TEST_REDIS_URL (default redis://127.0.0.1:6379/15) or, when none answers, a
 # private redis-server of their own; tests that stop, pause or fill Redis, and the managed mode of
@@ -38,8 +38,11 @@ compiler: $(STAMP)
 		( (apt-get update -q && apt-get install -y -q g++ python3-dev) || \
 		  (sudo apt-get update -q && sudo apt-get install -y -q g++ python3-dev) )
 
+# Two pytest workers (pytest-xdist), one test module at a time each (its module-scoped servers
+# start once): model loads, server starts and subprocesses of one overlap the other's work.
+PYTEST_WORKERS ?= 2
 pytest: $(STAMP) pull redis compiler
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
 
 test: lint typecheck pytest
 

@@ -16,19 +16,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 from litestar import Litestar, Request, Response, get
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig, ResponseSpec
+from litestar.params import Parameter
 from litestar.types import ControllerRouterHandler
 
 from api.auth import auth_guard
 from api.body_limit import body_limit
 from api.errors import handle_exception
 from api.metrics import http_metrics, metrics
+from api.registration import recorder
 from api.schemas import ErrorObject, ReadyBody
 from api.state import ServerState
 
@@ -51,11 +55,31 @@ def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@get("/ready", sync_to_thread=False, responses={503: ResponseSpec(ReadyBody, description="not ready: the phase")})
-def ready(request: Request[Any, Any, Any]) -> Response[ReadyBody]:
-    """Readiness: 200 once the model is loaded and warmed up; 503 with the phase before and while stopping."""
+MAX_WAIT_COMPILED_S = 900.0
+COMPILED_POLL_S = 0.05
+
+
+async def _compiled(state: ServerState, compiled: threading.Event, timeout_s: float) -> None:
+    """Until `compiled` is set, `timeout_s` passes or the server begins to stop (holding no
+    thread: the event is set by the engine client's reader thread)."""
+    deadline = time.monotonic() + timeout_s
+    while not compiled.is_set() and not state.draining and time.monotonic() < deadline:
+        await asyncio.sleep(COMPILED_POLL_S)
+
+
+@get("/ready", responses={503: ResponseSpec(ReadyBody, description="not ready: the phase")})
+async def ready(
+    request: Request[Any, Any, Any], wait_compiled_s: Annotated[float, Parameter(ge=0, le=MAX_WAIT_COMPILED_S)] = 0.0
+) -> Response[ReadyBody]:
+    """Readiness: 200 once the model is loaded and warmed up; 503 with the phase before and while stopping.
+
+    The compiled step's buckets compile in the background after that: `compiled_buckets`,
+    `eager_buckets` and `compiling_buckets` say where each stands. `?wait_compiled_s=S` (on a
+    ready server) first waits up to S seconds until no bucket is compiling."""
     state = server_state(request)
     engine = state.engine
+    if wait_compiled_s and state.ready and engine is not None:
+        await _compiled(state, engine.compiled, wait_compiled_s)
     if state.ready and engine is not None and not engine.alive:  # the engine process died
         err = ErrorObject(message=state.error or "the engine is not running", type="server_error")
         return Response(ReadyBody(phase="engine_stopped", error=err), status_code=503)
@@ -65,6 +89,7 @@ def ready(request: Request[Any, Any, Any]) -> Response[ReadyBody]:
         if report is not None:
             body.compiled_buckets = report.compiled_buckets
             body.eager_buckets = {str(b): why for b, why in report.eager.items()}
+            body.compiling_buckets = list(report.pending)
         return Response(body)
     body = ReadyBody(phase=state.phase)
     if state.error:
@@ -124,7 +149,7 @@ def create_app(
     max_body_bytes = state.options.max_body_bytes
     app = Litestar(
         route_handlers=[health, ready, metrics, *routes],
-        middleware=[http_metrics, body_limit(max_body_bytes)],
+        middleware=[http_metrics, body_limit(max_body_bytes), recorder(state)],
         guards=[auth_guard],  # /v1 only: the request's tenant, or 401
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],

@@ -265,7 +265,13 @@ def _doctor(args: argparse.Namespace) -> int:
 def _route(args: argparse.Namespace) -> int:
     from api.router.proxy import serve
 
-    return serve(args.host, args.port, args.replica)
+    if not args.replica and not args.replicas_from_redis:
+        raise SystemExit("longctx route: error: give --replica URL (repeat) or --replicas-from-redis")
+    if args.replicas_from_redis and args.redis_url is None:
+        raise SystemExit("longctx route: error: --replicas-from-redis needs --redis-url (the replicas' state Redis)")
+    return serve(
+        args.host, args.port, args.replica, args.redis_url if args.replicas_from_redis else None, args.redis_prefix
+    )
 
 
 def _state(args: argparse.Namespace) -> int:
@@ -322,7 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
     route = sub.add_parser("route", help="a cache-aware front for N serve replicas (each turn goes where its cache is)")
     route.add_argument("--host", default=ServeOptions.host)
     route.add_argument("--port", type=int, default=8080)
-    route.add_argument("--replica", action="append", default=[], required=True, help="a replica's URL (repeat)")
+    route.add_argument("--replica", action="append", default=[], help="a replica's URL (repeat)")
+    route.add_argument(
+        "--replicas-from-redis", action="store_true",
+        help="also route to the replicas registered in the state Redis (--redis-url, --redis-prefix): they "
+        "join when they start and leave when they stop or their entry expires",
+    )  # fmt: skip
+    route.add_argument("--redis-url", default=None, help="the replicas' state Redis (--replicas-from-redis)")
+    route.add_argument("--redis-prefix", default="lc", help="the replicas' --redis-prefix")
     route.set_defaults(func=_route)
 
     state = sub.add_parser("state", help="the state Redis: `migrate` an old key layout to today's")

@@ -136,6 +136,16 @@ def stop_margin_s(grace_s: float) -> float:
     return min(5.0, 0.5 * grace_s)  # ending a turn takes an engine step and a Redis commit: slow on busy cores
 
 
+def image_processor(loaded: Any) -> Any:
+    """A vision-language checkpoint's image processor (`engine.loading.images`); None for a text model."""
+    vision = getattr(loaded.config, "vision", None)
+    if vision is None:
+        return None
+    from engine.loading.images import ImageProcessor
+
+    return ImageProcessor.load(loaded.source.path, vision)
+
+
 def setup(state: ServerState) -> None:
     """Build the session layer once the engine is warm (the `routes` phase); stop it on shutdown.
 
@@ -157,7 +167,8 @@ def setup(state: ServerState) -> None:
         await store.reasoning_key()
         tok = loaded.tokenizer
         fmt = detect_format(tok) if o.tool_call_format == "auto" else resolve_format(o.tool_call_format)
-        svc = state.sessions = SessionService(engine, store, tok, grammar, fmt, o.service)
+        images = await asyncio.to_thread(image_processor, loaded)
+        svc = state.sessions = SessionService(engine, store, tok, grammar, fmt, o.service, images)
         svc.waiting = tenant_queue(state)  # foreground responses count as their tenant's waiting requests
         if o.workers.workers:
             workers = state.workers = BackgroundWorkers(svc, o.workers)

@@ -41,9 +41,11 @@ class ReadyBody(msgspec.Struct, kw_only=True, omit_defaults=True):
     phase: str
     status: str | None = None
     phase_seconds: dict[str, float] | None = None
-    # The compiled step's buckets that passed their self-check, and those running eager (why).
+    # The compiled step's buckets that passed their self-check, those running eager (why), and
+    # those still compiling in the background (eager until checked).
     compiled_buckets: list[int] | None = None
     eager_buckets: dict[str, str] | None = None
+    compiling_buckets: list[int] | None = None
     error: ErrorObject | None = None
 
 

@@ -7,9 +7,10 @@ Order of events:
    redis (start or reuse the managed instances, or ping `--redis-url`), model (load, or wait
    for the load `api.model_load` started with the command, beside the imports and redis),
    engine (the engine process builds its KV pool and tiers; here the grammar compiler), compile
-   (the engine process compiles the step's graphs, from `$LONGCTX_HOME/compile` when cached, and
-   self-checks them), warm-up (a short generation through the process boundary and
-   a schema compile), routes (the async Redis client and the route modules' startup hooks).
+   (the engine process starts compiling the step's buckets in the background: they run eager until
+   each is compiled, or found in `$LONGCTX_HOME/compile`, and self-checked), warm-up (a short
+   generation through the process boundary and a schema compile), routes (the async Redis client
+   and the route modules' startup hooks).
 4. SIGTERM/SIGINT: no new work admitted (`ServerState.begin_drain`), streams get
    `--shutdown-grace-s` to finish (foreground responses still running near its end stop and commit
    `incomplete`; background jobs are handed back to the queue), uvicorn closes connections, the
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import psutil
 import uvicorn
 
-from api import auth, limits
+from api import auth, limits, registration
 from api.app import create_app
 from api.managed_redis import INSTALL_HINT, ManagedRedis, cache_args, state_args
 from api.model_load import ModelLoad
@@ -159,7 +160,7 @@ class Startup:
         torch.set_num_threads(self.model.api_threads)
         client.on_death = lambda reason: self._engine_died(state, reason)
         client.tokenizer = loaded.tokenizer
-        client.build(self.kv_redis_url, config.kv_redis_prefix, config.enable_prefix_caching)
+        client.build(self.kv_redis_url, config.kv_redis_prefix, config.enable_prefix_caching, background=True)
         grammar = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size)
         return client, grammar
 
@@ -180,8 +181,10 @@ class Startup:
         timer.start()
 
     def _compile(self) -> CompileReport | None:
-        """The compiled step's graphs for every bucket (from `$LONGCTX_HOME/compile` when cached),
-        each self-checked against the eager modules in the engine process; a bucket that fails runs eager."""
+        """The compiled step's background compile started in the engine process: every bucket
+        runs eager until its graphs (from `$LONGCTX_HOME/compile` when cached, else compiled by a
+        low-priority child process) are self-checked against the eager modules and switched in;
+        a bucket that fails stays eager. Nothing here waits for a bucket."""
         assert self.model is not None
         report: CompileReport | None = self.model.client.wait_phase("compiled")
         return report
@@ -231,7 +234,7 @@ class Startup:
             with state.lock:
                 state.engine, state.grammar = engine, grammar
             compiling = lambda: _in_thread(self._compile)  # noqa: E731
-            state.compile_report = await self._phase(state, "compile", compiling)
+            await self._phase(state, "compile", compiling)
             await self._phase(state, "warm-up", lambda: _in_thread(lambda: self._warm_up(engine, grammar)))
             await self._phase(state, "routes", lambda: self._routes(state))
         except asyncio.CancelledError:
@@ -293,6 +296,7 @@ def run(
     try:
         auth.configure(state)
         limits.configure(state)
+        registration.configure(state)
     except auth.KeysFileError as e:
         print(f"longctx: error: {e}", flush=True, file=sys.stderr)
         return 2

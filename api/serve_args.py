@@ -12,7 +12,7 @@ from pathlib import Path
 
 from api.engine_args import engine_config, parse_bytes
 from api.state import ServeOptions
-from sessions.config import ServiceConfig, StoreConfig, WorkerConfig, generation_defaults
+from sessions.config import ImageConfig, ServiceConfig, StoreConfig, WorkerConfig, generation_defaults
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -22,10 +22,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="state Redis; default: a managed redis-server")
     p.add_argument("--redis-prefix", default=StoreConfig.prefix, help="prefix of every state key")
     p.add_argument(
+        "--advertise-url", default=None,
+        help="the URL `longctx route --replicas-from-redis` reaches this server at, published in the state "
+        "Redis (default: http://HOST:PORT)",
+    )  # fmt: skip
+    p.add_argument(
         "--state-ttl", type=int, default=StoreConfig.state_ttl_s, help="seconds conversations and responses live"
     )
     p.add_argument(
         "--background-workers", type=int, default=WorkerConfig.workers, help="background-response workers per process"
+    )
+    p.add_argument(
+        "--lease-ttl-ms",
+        type=int,
+        default=StoreConfig.lease_ttl_ms,
+        help="a running turn's conversation lease expires after this long without renewal (its server "
+        "died): its response then reads failed and the conversation takes new turns",
     )
     p.add_argument(
         "--job-claim-idle-s",
@@ -86,6 +98,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="hosted tools (web_search, ...) in a request: ignore (not offered to the model, echoed) or reject (400)",
     )
     p.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs of image parts (default: data URLs only)",
+    )
+    p.add_argument(
+        "--allow-private-image-urls",
+        action="store_true",
+        help="with --allow-image-urls: fetch from loopback, link-local and private addresses too",
+    )
+    p.add_argument(
+        "--max-image-bytes", type=parse_bytes, default=ImageConfig.max_bytes, help="largest image part (over: 400)"
+    )
+    p.add_argument(
+        "--max-image-pixels", type=int, default=ImageConfig.max_pixels, help="most pixels of an image (over: 400)"
+    )
+    p.add_argument(
+        "--max-images", type=int, default=ImageConfig.max_images, help="most image parts in one request (over: 400)"
+    )
+    p.add_argument(
         "--max-queued-per-tenant", type=int, default=None, help="waiting requests per tenant (default: --max-queued/2)"
     )
     p.add_argument(
@@ -101,16 +132,25 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
 
     model_name = resolve_model(args.model).name
     redis_url = args.redis_url or f"unix://{longctx_home() / 'redis' / 'state.sock'}"  # managed: its socket
+    store = StoreConfig(prefix=args.redis_prefix, state_ttl_s=args.state_ttl, lease_ttl_ms=args.lease_ttl_ms)
     service = ServiceConfig(
         model=args.served_model_name or model_name,
         max_output_tokens=args.max_output_tokens,
         hosted_tools=args.hosted_tools,
         kv_commit_wait_s=args.kv_commit_wait_ms / 1000,
+        lease_renew_s=min(ServiceConfig.lease_renew_s, store.lease_ttl_ms / 3000),  # a third of the lease
+        images=ImageConfig(
+            allow_urls=args.allow_image_urls,
+            allow_private_urls=args.allow_private_image_urls,
+            max_bytes=args.max_image_bytes,
+            max_pixels=args.max_image_pixels,
+            max_images=args.max_images,
+        ),
         **generation_defaults(args.override_generation_config),
     )
     return ServeOptions(
         redis_url=redis_url,
-        store=StoreConfig(prefix=args.redis_prefix, state_ttl_s=args.state_ttl),
+        store=store,
         service=service,
         workers=WorkerConfig(workers=args.background_workers, claim_idle_s=args.job_claim_idle_s),
         engine=engine_config(
@@ -128,4 +168,5 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         kv_redis_max_memory=args.kv_redis_max_memory,
         host=args.host,
         port=args.port,
+        advertise_url=args.advertise_url,
     )

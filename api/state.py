@@ -23,6 +23,7 @@ from sessions.config import ServiceConfig, StoreConfig, WorkerConfig
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
+    from api.served_log import ServedLog
     from api.tenant_queue import TenantQueue
     from engine.loading.loader import LoadedModel
     from engine.process.client import EngineClient
@@ -58,6 +59,7 @@ class ServeOptions:
         api_keys_file: 'KEY TENANT' lines (None: no auth, loopback only).
         kv_redis_max_memory: maxmemory of the managed KV-cache Redis.
         host, port: where the HTTP server listens.
+        advertise_url: the URL published in the replica registry (None: http://host:port).
     """
 
     redis_url: str
@@ -73,6 +75,7 @@ class ServeOptions:
     kv_redis_max_memory: int = 2 << 30
     host: str = "127.0.0.1"
     port: int = 8000
+    advertise_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.shutdown_grace_s < 0 or self.max_body_bytes < 1:
@@ -101,7 +104,6 @@ class ServerState:
     engine: EngineClient | None = None  # the engine process's client (`engine/process/client.py`)
     redis: Redis | None = None  # redis.asyncio client of the state Redis, bound to the server's loop
     grammar: GrammarCompiler | None = None  # for the model's tokenizer
-    compile_report: CompileReport | None = None  # the compiled step's buckets and their self-check
     # Run on the event loop during the `routes` phase (e.g. build the session store and
     # service, start background workers) and, in reverse order, on shutdown.
     on_startup: list[Hook] = field(default_factory=list)
@@ -109,6 +111,7 @@ class ServerState:
     # What the route modules add:
     api_keys: dict[str, str] | None = None  # KEY -> TENANT (`api.auth`); None: no auth
     tenant_queue: TenantQueue | None = None  # each tenant's waiting requests (`api.limits`)
+    served: ServedLog | None = None  # what this replica served lately, for the registry (`api.registration`)
     sessions: SessionService | None = None  # the Responses service, once the routes phase built it
     workers: BackgroundWorkers | None = None  # background-response workers, and the task running them
     workers_task: asyncio.Task[None] | None = None
@@ -117,6 +120,12 @@ class ServerState:
     # Called (from the signal handler: keep them short, no awaiting) when SIGTERM starts the drain.
     on_drain: list[Callable[[], None]] = field(default_factory=list)
     drain_deadline: float | None = None  # time.monotonic() by which every stream must have ended
+
+    @property
+    def compile_report(self) -> CompileReport | None:
+        """The compiled step's buckets and their self-check, as the engine last reported them."""
+        engine = self.engine
+        return None if engine is None else engine.compile_report  # type: ignore[no-any-return]
 
     def begin_drain(self) -> None:
         """No new work from now on; the grace (`shutdown_grace_s`) starts once."""

@@ -275,6 +275,7 @@ def _head_cost_ms(model: Any, reps: int = 20) -> dict[str, float]:
     table = getattr(model.model.embed_tokens, "weight", None)  # None: a quantized table (int8 / int4 head)
     bf16_table = isinstance(table, torch.Tensor) and model.lm_head is None
     if dtype == torch.bfloat16 and bf16_table and packing_supported(dtype, torch.device("cpu")):
+        assert table is not None
         packed = PackedLinear(table.detach())
     with torch.inference_mode():
         for rows in (1, 16):

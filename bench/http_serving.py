@@ -80,7 +80,8 @@ class Run:
         self.seconds = 0.0
 
     def stream(self, started: float) -> Any:
-        run, last = self, [None]
+        run = self
+        last: list[float | None] = [None]
 
         def token(n: int = 1) -> None:
             now = time.perf_counter()

@@ -47,7 +47,7 @@ WINDOW, CHUNK, PAGE = 4096, 4096, 16
 WINDOWED = (1024, 8192, 65536, 262144, 1048576)
 FULL = (8192, 32768, 131072)
 DEMO = (1024, 4096, 8192)
-TINY = dict(
+TINY: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=96,
     num_hidden_layers=2,
@@ -84,16 +84,18 @@ class StepTimer:
 def tiny_model(kind: str, tmp: Path, max_len: int) -> Any:
     """A random tiny model saved by transformers and loaded by ours, in bf16."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedModel
 
     from engine.loading.weights import SafetensorsSource, load_model
     from engine.model.config import ModelConfig
 
     torch.manual_seed(0)
+    ref: PreTrainedModel
     if kind == "windowed":
         ref = MistralForCausalLM(MistralConfig(**TINY, sliding_window=WINDOW, max_position_embeddings=max_len))
     else:
-        ref = LlamaForCausalLM(LlamaConfig(**TINY, max_position_embeddings=max_len, rope_theta=1e6))
+        rope = {"rope_type": "default", "rope_theta": 1e6}
+        ref = LlamaForCausalLM(LlamaConfig(**TINY, max_position_embeddings=max_len, rope_parameters=rope))
     ref.save_pretrained(tmp)
     config = ModelConfig.from_pretrained_dir(tmp)
     return load_model(config, SafetensorsSource(tmp), torch.bfloat16, progress=False)[0]

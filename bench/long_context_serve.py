@@ -46,7 +46,7 @@ def windowed_model_dir(path: Path, max_len: int) -> Path:
     config = MistralConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=49152, max_position_embeddings=max_len, sliding_window=WINDOW, tie_word_embeddings=True,
-        rope_theta=1e6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )  # fmt: skip
     MistralForCausalLM(config).save_pretrained(path)
     demo = pull_demo()

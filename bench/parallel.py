@@ -25,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
-MODEL = dict(
+MODEL: dict[str, Any] = dict(
     hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_hidden_layers=4,
     num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=8192, num_experts=8,
     num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=4096,

@@ -59,7 +59,7 @@ class Runner:
         cfg = EngineConfig(
             kv_cache_bytes=pool_pages * per_page, host_cache_bytes=host_pages * per_page,
             kv_redis_url=redis_url, kv_redis_prefix=prefix or f"longctx-bench-{uuid.uuid4().hex[:10]}",
-            max_num_batched_tokens=a.budget, threads=a.threads,
+            max_num_batched_tokens=a.budget, threads=a.threads, compile=a.compile,
         )  # fmt: skip
         self.engine = Engine(lm.model, lm.tokenizer, cfg, fingerprint=lm.stats.fingerprint).start()
         self.prefix = cfg.kv_redis_prefix
@@ -157,10 +157,15 @@ def cold_prefill(lm: Any, url: str, a: Any) -> float:
 
 def restore_breakdown(lm: Any, tier: str, url: str, a: Any) -> dict[str, Any]:
     """A `restore_tokens` turn whose previous turn's pages are only in the host tier or only in
-    Redis: where its TTFT goes."""
+    Redis (another conversation took the whole device pool; without a host tier its pages are
+    gone from this process): where its TTFT goes, median of `--restore-reps` restores, each of
+    the same history with other new tokens. Beside it, the raw read of the same bytes (host:
+    one copy of the payloads; Redis: the `MGET`s alone, undecoded): the floor the tier sets."""
     import engine.scheduling.prefix as sp
     from engine.model_runner import ModelRunner
     from kvstore.kv_cache import KVCache
+    from kvstore.prefix import hash_page
+    from kvstore.redis_connect import mget
     from kvstore.redis_tier import RedisTier
     from kvstore.tiers import HostTier, _Fetch
     from tests.redis_server import delete_prefix
@@ -169,7 +174,6 @@ def restore_breakdown(lm: Any, tier: str, url: str, a: Any) -> dict[str, Any]:
     pages = n // PAGE + 8
     vocab = lm.config.vocab_size
     prompt = _tokens(4242, n, vocab)
-    times: dict[str, float] = {}
     spans: list[tuple[str, float, float]] = []
 
     def timed(name: str, fn: Any) -> Any:
@@ -188,29 +192,65 @@ def restore_breakdown(lm: Any, tier: str, url: str, a: Any) -> dict[str, Any]:
         (HostTier, "get_prefix", "tier read"),
         (_Fetch, "load", "decode + copy into the pool"),
         (KVCache, "write_pages", "copy into the pool"),
+        (KVCache, "write_images", "copy into the pool"),
         (ModelRunner, "run", "run"),
     ]
     saved = [(cls, attr, getattr(cls, attr)) for cls, attr, _ in patches]
-    host_pages = pages + 8 if tier == "host" else 0
-    runner = Runner(lm, pages, host_pages, url if tier == "redis" else None, a)
+    runner = Runner(lm, pages, pages + 8 if tier == "host" else 0, url if tier == "redis" else None, a)
+    reps: list[dict[str, float]] = []
+    raw_s: list[float] = []
+    cached = 0
     try:
         runner.turn([prompt], a.output_tokens)  # the previous turn: computed, saved
+        runner.turn([prompt + _tokens(76, a.new_tokens, vocab)], 2)  # the same steps once (compiled buckets)
+        # The reference: the same turn with the history still in the device pool (nothing restored).
+        hit_s = runner.turn([prompt + _tokens(75, a.new_tokens, vocab)], 2)[0]["ttft_s"]
         store = runner.engine.store
-        if store is not None and store.redis is not None:
+        assert store is not None
+        if store.redis is not None:
             store.redis.flush(30.0)
-        runner.turn([_tokens(99, n, vocab)], 1)  # another conversation takes the whole pool
-        if tier == "redis":  # only Redis holds the first turn: a fresh engine, empty device pool
-            runner.close()
-            runner = Runner(lm, pages, 0, url, a, prefix=runner.prefix)  # the same keys
-        for cls, attr, name in patches:
-            setattr(cls, attr, timed(name, getattr(cls, attr)))
-        spans.clear()
-        res = runner.turn([prompt + _tokens(77, a.new_tokens, vocab)], 2)[0]
+        ns = runner.engine.scheduler._salted("")
+        keys: list[bytes] = []
+        for i in range(n // PAGE):
+            keys.append(hash_page(keys[-1] if keys else b"", prompt[i * PAGE : (i + 1) * PAGE], ns))
+        for r in range(a.restore_reps):
+            runner.turn([_tokens(99 + r, n + 6 * PAGE, vocab)], 1)  # another conversation takes the whole pool
+            # The raw read of the history's pages from the tier, as the restore will ask for them.
+            t0 = time.perf_counter()
+            if store.redis is not None:
+                per = store.redis.pages_per_read
+                for i in range(0, len(keys), per):
+                    mget(store.redis._reader, [store.redis.key(h) for h in keys[i : i + per]])
+            else:
+                bytearray().join([p for h in keys if (p := store.host._pages.get(h)) is not None])
+            raw_s.append(time.perf_counter() - t0)
+            for cls, attr, name in patches:
+                setattr(cls, attr, timed(name, getattr(cls, attr)))
+            spans.clear()
+            try:
+                res = runner.turn([prompt + _tokens(77 + r, a.new_tokens, vocab)], 2)[0]
+            finally:
+                for cls, attr, fn in saved:
+                    setattr(cls, attr, fn)
+            cached = res["cached"]
+            reps.append(_spans_to_parts(spans, res["ttft_s"]))
     finally:
-        for cls, attr, fn in saved:
-            setattr(cls, attr, fn)
         runner.close()
         delete_prefix(url, runner.prefix)
+    med = {k: sorted(x[k] for x in reps)[len(reps) // 2] for k in reps[0]}
+    raw = sorted(raw_s)[len(raw_s) // 2]
+    return {"tier": tier, "tokens": n, "cached": cached, "bytes": (n // PAGE) * _page_bytes(lm), "raw_read_s": raw,
+            "device_hit_ttft_s": hit_s, "seconds": med, "reps": reps}  # fmt: skip
+
+
+def _page_bytes(lm: Any) -> int:
+    c = lm.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * lm.dtype.itemsize * PAGE
+
+
+def _spans_to_parts(spans: list[tuple[str, float, float]], ttft_s: float) -> dict[str, float]:
+    """One restore's timed spans -> seconds per part (nested spans counted once)."""
+    times: dict[str, float] = {}
     runs = [(t0, t1) for name, t0, t1 in spans if name == "run"]
     for name, t0, t1 in spans:
         if name != "run":
@@ -218,13 +258,13 @@ def restore_breakdown(lm: Any, tier: str, url: str, a: Any) -> dict[str, Any]:
                 e - b for m, b, e in spans if m not in ("run", name, "copy into the pool") and t0 <= b and e <= t1
             )
             times[name] = times.get(name, 0.0) + (t1 - t0) - (inner if name == "lookup" else 0.0)
-    if "copy into the pool" in times:
-        times["decode + copy into the pool"] -= times["copy into the pool"]
-        times["decode"] = times.pop("decode + copy into the pool")
+    times.setdefault("tier read", 0.0)
+    times.setdefault("copy into the pool", 0.0)
+    times["decode"] = times.pop("decode + copy into the pool", 0.0) - times["copy into the pool"]
     times["prefill of the new tokens"] = sum(t1 - t0 for t0, t1 in runs[:-1]) if len(runs) > 1 else 0.0
     times["first decode step"] = runs[-1][1] - runs[-1][0] if runs else 0.0
-    times["ttft"] = res["ttft_s"]
-    return {"tier": tier, "tokens": n, "cached": res["cached"], "seconds": times}
+    times["ttft"] = ttft_s
+    return times
 
 
 def main() -> None:
@@ -241,7 +281,11 @@ def main() -> None:
     p.add_argument("--hosts", default="off,on")
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the compiled step, as served (default)"
+    )
     p.add_argument("--restore-tokens", type=int, default=2048, help="0: no restore breakdown")
+    p.add_argument("--restore-reps", type=int, default=5)
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
     p.add_argument("--out", default=str(RESULTS / "pressure.json"))
     a = p.parse_args()
@@ -250,9 +294,10 @@ def main() -> None:
     from engine.loading.model_source import pull_demo
 
     lm = load(a.model or str(pull_demo()), dtype=a.dtype, progress=False)
-    cold = cold_prefill(lm, a.redis_url, a)
+    factors = [int(x) for x in a.factors.split(",") if x]  # none: the restore breakdown only
+    cold = cold_prefill(lm, a.redis_url, a) if factors else float("nan")
     cells = []
-    for factor in [int(x) for x in a.factors.split(",")]:
+    for factor in factors:
         for delay in [int(x) for x in a.delays_ms.split(",")]:
             for host in [h == "on" for h in a.hosts.split(",")]:
                 t0 = time.perf_counter()
@@ -286,7 +331,11 @@ def main() -> None:
     print(f"\nrestore of a {a.restore_tokens}-token turn (+{a.new_tokens} new tokens), seconds:")
     for b in breakdown:
         parts = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in b["seconds"].items())
-        print(f"  from {b['tier']}: cached {b['cached']} of {b['tokens'] + a.new_tokens}: {parts}")
+        print(
+            f"  from {b['tier']}: cached {b['cached']} of {b['tokens'] + a.new_tokens}: {parts}; "
+            f"raw read of its {b['bytes'] / 1e6:.1f} MB {b['raw_read_s'] * 1000:.1f} ms; "
+            f"TTFT with the history in the device pool {b['device_hit_ttft_s'] * 1000:.1f} ms"
+        )
     for c in cells:
         del c["outputs"]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -82,9 +82,10 @@ def random_demo_shape(max_positions: int, directory: Path) -> Path:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-        vocab_size=49152, max_position_embeddings=max_positions, tie_word_embeddings=True, rope_theta=100000.0,
+        vocab_size=49152, max_position_embeddings=max_positions, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     )  # fmt: skip
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(directory)
+    LlamaForCausalLM(cfg).bfloat16().save_pretrained(directory)
     return directory
 
 

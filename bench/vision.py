@@ -13,7 +13,8 @@ fixed images (`api/doctor/vision_stage.test_images`), through the in-process `En
 - TTFT cold: a prompt with an image nobody has sent (encoder and prefix caches miss);
 - TTFT image cached: the same image after different text (the encoder cache hits, the prefix
   cache does not reach the image);
-- TTFT prefix cached: the same prompt again (the image's pages come from the prefix cache).
+- TTFT prefix cached: the same prompt again (the image's pages come from the prefix cache);
+- agree: whether the prefix-cached run's greedy first token is the cold run's, every repeat.
 
 Prints a table and writes bench/results/vision.json, with the load average beside the numbers.
 """
@@ -41,13 +42,14 @@ from engine.loading.loader import load
 from engine.sampling_params import SamplingParams
 
 
-def _ttft(engine: Engine, ids: list[int], images: list[Any]) -> float:
+def _ttft(engine: Engine, ids: list[int], images: list[Any]) -> tuple[float, list[int]]:
+    """Seconds to the first token, and the token (greedy)."""
     t0 = time.perf_counter()
     handle = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), images=images)
     engine.run_until_idle()
     outs = list(handle)
     assert outs[-1].error is None, outs[-1].error
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, [t for o in outs for t in o.token_ids]
 
 
 def measure(path: Path, dtype: str, repeats: int) -> dict[str, Any]:
@@ -66,15 +68,18 @@ def measure(path: Path, dtype: str, repeats: int) -> dict[str, Any]:
             loaded.model.vision(inputs[0].tensors)
             encode.append(time.perf_counter() - t0)
     cold, image_cached, prefix_cached = [], [], []
+    agree = True
     for r in range(repeats):
         engine = Engine(
             loaded.model, loaded.tokenizer, EngineConfig(kv_cache_bytes=256 << 20, attention_backend="auto")
         )
         ids, images = processor.prompt(f"Question {r}: {m} What is in this picture?", pictures[:1])
-        cold.append(_ttft(engine, ids, images))
-        prefix_cached.append(_ttft(engine, ids, images))
+        (s_cold, first), (s_prefix, again) = _ttft(engine, ids, images), _ttft(engine, ids, images)
+        cold.append(s_cold)
+        prefix_cached.append(s_prefix)
+        agree = agree and first == again
         ids2, images2 = processor.prompt(f"Another question, number {r + 10}: {m} Describe it.", pictures[:1])
-        image_cached.append(_ttft(engine, ids2, images2))
+        image_cached.append(_ttft(engine, ids2, images2)[0])
     return {
         "model": loaded.source.name,
         "architecture": vision.architecture,
@@ -85,6 +90,7 @@ def measure(path: Path, dtype: str, repeats: int) -> dict[str, Any]:
         "ttft_image_cached_s": statistics.median(image_cached),
         "ttft_prefix_cached_s": statistics.median(prefix_cached),
         "prompt_tokens": len(ids),
+        "agree": agree,
     }
 
 
@@ -111,12 +117,12 @@ def main() -> None:
         for path in paths:
             rows.append(measure(path, args.dtype, args.repeats))
     print(f"{'model':<34} {'image tokens':>13} {'encode ms':>10} {'TTFT cold':>10} {'image cached':>13} ", end="")
-    print(f"{'prefix cached':>14}")
+    print(f"{'prefix cached':>14} {'agree':>6}")
     for r in rows:
         print(
             f"{r['architecture']:<34} {r['image_tokens']!s:>13} {r['encode_s'] * 1e3:>10.1f} "
             f"{r['ttft_cold_s'] * 1e3:>8.1f}ms {r['ttft_image_cached_s'] * 1e3:>11.1f}ms "
-            f"{r['ttft_prefix_cached_s'] * 1e3:>12.1f}ms"
+            f"{r['ttft_prefix_cached_s'] * 1e3:>12.1f}ms {'yes' if r['agree'] else 'NO':>6}"
         )
     load_avg = os.getloadavg()
     print(f"load average {load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f}; {args.threads} threads; {args.dtype}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 
 import msgspec
 import torch
@@ -20,6 +21,10 @@ from kvstore.spec import KVSpec
 
 FORMAT_VERSION = 1
 _LEN = struct.Struct("<I")
+
+# A page's payload as it is passed around: bytes, a buffer filled in place, or a view into
+# the value read from Redis (no copy of its payload is made to strip the header).
+Payload = bytes | bytearray | memoryview
 
 
 class BadPage(ValueError):
@@ -85,6 +90,12 @@ class PageCodec:
         else:
             self.payload_len = numel * self.model_dtype.itemsize
 
+    @property
+    def as_image(self) -> bool:
+        """Whether a payload is the page's image in device memory (`KVCache.read_images`):
+        stored in the model dtype."""
+        return self.kv_dtype != "int8"
+
     def payloads(self, pages: torch.Tensor) -> list[bytes]:
         """[N, L, 2, P, H, D] model dtype -> N payloads in the storage dtype."""
         if self.kv_dtype != "int8":
@@ -92,15 +103,15 @@ class PageCodec:
         q, scales = quantize_int8(pages)
         return [_bytes(qi) + _bytes(si) for qi, si in zip(q, scales, strict=True)]
 
-    def encode(self, page_hash: bytes, payload: bytes) -> bytes:
+    def encode(self, page_hash: bytes, payload: Payload) -> bytes:
         header = PageHeader(
             FORMAT_VERSION, self.namespace, page_hash, self.kv_dtype, self.shape, len(payload), zlib.crc32(payload)
         )
         raw = msgspec.msgpack.encode(header)
-        return _LEN.pack(len(raw)) + raw + payload
+        return b"".join((_LEN.pack(len(raw)), raw, payload))
 
-    def decode(self, value: bytes, page_hash: bytes) -> bytes:
-        """The verified payload of a stored page; raises BadPage."""
+    def decode(self, value: bytes, page_hash: bytes) -> memoryview:
+        """The verified payload of a stored page (a view into `value`); raises BadPage."""
         if len(value) < _LEN.size:
             raise BadPage("value shorter than its header length")
         (n,) = _LEN.unpack_from(value)
@@ -112,14 +123,14 @@ class PageCodec:
         found = (header.version, header.namespace, header.page_hash, header.dtype, header.shape, header.payload_len)
         if found != expected:
             raise BadPage(f"header {found} does not describe this page {expected}")
-        payload = value[_LEN.size + n :]
+        payload = memoryview(value)[_LEN.size + n :]
         if len(payload) != self.payload_len:
             raise BadPage(f"payload of {len(payload)} bytes, expected {self.payload_len}")
         if zlib.crc32(payload) != header.crc32:
             raise BadPage("payload checksum mismatch")
         return payload
 
-    def to_tensor(self, payloads: list[bytes]) -> torch.Tensor:
+    def to_tensor(self, payloads: Sequence[Payload]) -> torch.Tensor:
         """Verified payloads -> [N, L, 2, P, H, D] in the model dtype."""
         buf = bytearray().join(payloads)  # one copy, writable (b"".join then bytearray() copied twice)
         n = len(payloads)

@@ -27,7 +27,7 @@ import time
 import redis
 import torch
 
-from kvstore.codec import BadPage, PageCodec
+from kvstore.codec import BadPage, PageCodec, Payload
 from kvstore.redis_connect import cluster_enabled, connect, mget
 from kvstore.redis_writer import BATCH_BYTES, RedisCounters, RedisWriter
 from kvstore.transfer_estimate import TransferEstimate
@@ -129,7 +129,7 @@ class RedisTier:
 
     # ---- reads (lookup thread) ----    # ---- reads (lookup thread) ----
 
-    def get_prefix(self, page_hashes: list[bytes], out: list[bytes], cancel: threading.Event) -> None:
+    def get_prefix(self, page_hashes: list[bytes], out: list[Payload], cancel: threading.Event) -> None:
         """Append to `out` the verified payloads of the leading pages found, batch by batch, so
         that a caller out of time can use what has arrived; stops at the first missing or bad
         page, or when `cancel` is set. A missing page marked pending (its turn committed

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.codec import PageCodec
+from kvstore.codec import PageCodec, Payload
 from kvstore.kv_cache import KVCache
 from kvstore.prefix import find_tail
 from kvstore.redis_tier import RedisTier
@@ -45,14 +45,14 @@ class HostTier:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.num_bytes = 0
-        self._pages: OrderedDict[bytes, bytes] = OrderedDict()
+        self._pages: OrderedDict[bytes, Payload] = OrderedDict()
         self._lock = threading.Lock()
         self.counters = HostCounters()
 
     def __len__(self) -> int:
         return len(self._pages)
 
-    def put(self, page_hash: bytes, payload: bytes) -> None:
+    def put(self, page_hash: bytes, payload: Payload) -> None:
         if len(payload) > self.budget_bytes:
             return
         with self._lock:
@@ -72,7 +72,7 @@ class HostTier:
         with self._lock:
             return page_hash in self._pages
 
-    def get_prefix(self, hashes: list[bytes]) -> list[bytes]:
+    def get_prefix(self, hashes: list[bytes]) -> list[Payload]:
         """Payloads of the leading `hashes` held here (stops at the first miss)."""
         out = []
         with self._lock:
@@ -88,13 +88,13 @@ class HostTier:
 class _Fetch:
     """One lookup: host payloads at hand, Redis payloads (verified) arriving batch by batch."""
 
-    def __init__(self, store: TieredStore, host: list[bytes]):
+    def __init__(self, store: TieredStore, host: list[Payload]):
         self.store = store
         self.host = host
         self.remote: Future[None] | None = None
-        self.arrived: list[bytes] = []  # appended by the lookup thread
+        self.arrived: list[Payload] = []  # appended by the lookup thread
         self.cancel = threading.Event()
-        self.payloads: list[bytes] = []
+        self.payloads: list[Payload] = []
         self.offset = 0  # a tail fetch: index of its first page in the hashes it was given
 
     def ready(self) -> bool:
@@ -117,8 +117,7 @@ class _Fetch:
         self.store.host.counters.hits += n_host
         if self.store.redis is not None:
             self.store.redis.counters.loaded += len(pages) - n_host
-        data = self.store.codec.to_tensor(self.payloads[: len(pages)])
-        self.store.kv_cache.write_pages(pages, data)
+        self.store.write(pages, self.payloads[: len(pages)])
         # Not touched here: the scheduler touches the pages it could name; one it could not name
         # would be reused without `evict`, so its page number must not be kept.
 
@@ -244,9 +243,26 @@ class TieredStore:
                         del self._resident[h]
         if self.host.budget_bytes == 0 or not evicted:
             return
-        data = self.kv_cache.read_pages([p for p, _ in evicted])
-        for (_, h), payload in zip(evicted, self.codec.payloads(data), strict=True):
+        for (_, h), payload in zip(evicted, self._read([p for p, _ in evicted]), strict=True):
             self.host.put(h, payload)
+
+    def _read(self, pages: list[int]) -> list[Payload]:
+        """These device pages' payloads (storage dtype): in the model dtype on CPU, each page's
+        image copied straight out of the cache."""
+        out: list[Payload] = []
+        if self.codec.as_image and self.kv_cache.has_images:
+            out += self.kv_cache.read_images(pages)
+        else:
+            out += self.codec.payloads(self.kv_cache.read_pages(pages))
+        return out
+
+    def write(self, pages: list[int], payloads: list[Payload]) -> None:
+        """Fill these device pages from verified payloads: in the model dtype on CPU, straight
+        into the cache (no joined copy, no tensor); else decoded into one tensor and copied."""
+        if self.codec.as_image and self.kv_cache.has_images:
+            self.kv_cache.write_images(pages, payloads)
+        else:
+            self.kv_cache.write_pages(pages, self.codec.to_tensor(payloads))
 
     def close(self) -> None:
         if self._lookups is not None:

@@ -5,7 +5,7 @@ flags take theirs from these classes (`api.serve_args`)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -42,6 +42,35 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class ImageConfig:
+    """Image parts of requests (`sessions.image_parts`).
+
+    Args:
+        allow_urls: fetch http(s) `image_url`s (`--allow-image-urls`); else only data URLs.
+        allow_private_urls: fetch from loopback, link-local, private and other non-public
+            addresses too (`--allow-private-image-urls`).
+        max_bytes: largest image, as sent or fetched (`--max-image-bytes`).
+        max_pixels: most pixels (width x height) of an image (`--max-image-pixels`).
+        max_images: most image parts in one request's input (`--max-images`).
+        fetch_timeout_s: how long fetching one URL may take, redirects included.
+    """
+
+    allow_urls: bool = False
+    allow_private_urls: bool = False
+    max_bytes: int = 20 << 20
+    max_pixels: int = 50_000_000
+    max_images: int = 16
+    fetch_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_pixels", "max_images"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.fetch_timeout_s <= 0:
+            raise ValueError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     """Args:
     model: the model name responses report.
@@ -56,6 +85,7 @@ class ServiceConfig:
     temperature, top_p: what a request that gives none samples with (`--override-generation-config`,
         vLLM's flag): clients such as the Codex CLI send no temperature, and a small model
         sampled at 1.0 may never end its reply.
+    images: what image parts may hold and where they may come from (`ImageConfig`).
     """
 
     model: str = "longctx"
@@ -65,6 +95,7 @@ class ServiceConfig:
     hosted_tools: Literal["ignore", "reject"] = "ignore"
     temperature: float = 1.0
     top_p: float = 1.0
+    images: ImageConfig = field(default_factory=ImageConfig)
 
     def __post_init__(self) -> None:
         if self.max_output_tokens < 1:

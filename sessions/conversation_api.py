@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sessions.image_parts import ImageParts
 from sessions.items import InvalidItem, Item, ItemPage, parse_input
 from sessions.models import Conversation
 from sessions.requests import InvalidParam, check_metadata
@@ -33,6 +34,7 @@ class ConversationAPI:
 
     def __init__(self, store: SessionStore):
         self.store = store
+        self.images: ImageParts | None = None  # checks image parts (set by the session service)
 
     def _items(self, raw: Any) -> list[Item]:
         if raw is None:
@@ -48,6 +50,8 @@ class ConversationAPI:
 
     async def create(self, tenant: str, items: Any = None, metadata: Any = None) -> Conversation:
         parsed, meta = self._items(items), check_metadata(metadata)
+        if self.images is not None:
+            await self.images.check_items(parsed, "items")
         return (await self.store.conversations.create(tenant, meta, parsed)).conversation
 
     async def get(self, tenant: str, conv_id: str) -> Conversation:
@@ -73,6 +77,8 @@ class ConversationAPI:
         parsed = self._items(items)
         if not parsed:
             raise InvalidParam("items", "expected at least one item")
+        if self.images is not None:
+            await self.images.check_items(parsed, "items")
         await self.store.conversations.append_items(tenant, conv_id, parsed)
         return ItemPage.of(parsed, False)
 

@@ -118,7 +118,12 @@ class Generation:
         if self.forced_ids:
             params = replace(params, max_tokens=params.max_tokens - len(self.forced_ids))
         self.handle = engine.add_request(
-            self.prompt.ids + self.forced_ids, params, request_id=self.id, cache_salt=self.tenant, matcher=self.matcher
+            self.prompt.ids + self.forced_ids,
+            params,
+            request_id=self.id,
+            cache_salt=self.tenant,
+            matcher=self.matcher,
+            images=list(self.prompt.images) or None,
         )
         return self.handle
 

@@ -12,7 +12,8 @@ An item is one of seven msgspec Structs, tagged by `type`:
     reasoning             id, summary (summary_text parts), content (reasoning_text parts)
     compaction            id, encrypted_content (our signed summary)
 
-Message content is a list of parts: `input_text`, `output_text` (always with `annotations`,
+Message content is a list of parts: `input_text`, `input_image` (`image_url`, `file_id` and
+`detail` as sent; `sessions.image_parts` reads them), `output_text` (always with `annotations`,
 `logprobs` only when given) or `refusal`. `phase` (commentary|final_answer) is omitted when
 unset, never null. Every stored item has an id and a status.
 
@@ -52,6 +53,14 @@ class InputText(msgspec.Struct, tag="input_text", tag_field="type"):
     text: str
 
 
+class InputImage(msgspec.Struct, tag="input_image", tag_field="type", kw_only=True, omit_defaults=True):
+    """An image: a data URL or an http(s) URL in `image_url` (a `file_id` is refused when read)."""
+
+    image_url: str | UnsetType = UNSET
+    file_id: str | UnsetType = UNSET
+    detail: Literal["auto", "low", "high", "original"] | UnsetType = UNSET
+
+
 class OutputText(msgspec.Struct, tag="output_text", tag_field="type", kw_only=True):
     text: str
     annotations: list[Any] = []
@@ -70,7 +79,7 @@ class ReasoningText(msgspec.Struct, tag="reasoning_text", tag_field="type"):
     text: str
 
 
-Part = InputText | OutputText | Refusal
+Part = InputText | InputImage | OutputText | Refusal
 
 
 # ---- items ----
@@ -188,16 +197,29 @@ def decode_item(raw: bytes) -> Item:
 
 
 def text_of(item: Item) -> str:
-    """The text of a message's parts (refusals included), joined; '' for other items."""
+    """The text of a message's parts (refusals included, images left out), joined; '' for other items."""
     if not isinstance(item, Message):
         return ""
-    return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in item.content)
+    parts = [p for p in item.content if not isinstance(p, InputImage)]
+    return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in parts)
+
+
+def images_of(items: list[Item]) -> list[tuple[int, int, InputImage]]:
+    """The image parts of `items`, in order: (item index, part index, part)."""
+    return [
+        (i, j, p)
+        for i, item in enumerate(items)
+        if isinstance(item, Message)
+        for j, p in enumerate(item.content)
+        if isinstance(p, InputImage)
+    ]
 
 
 # ---- lenient input ----
 
 
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text"})
+PARTS = TEXT_PARTS | {"input_image"}
 
 
 def parse_input(value: Any) -> list[Item]:
@@ -240,9 +262,10 @@ def parse_item(raw: Any, param: str = "item") -> Item:
     if kind == "message" and isinstance(d.get("content"), list):
         for j, p in enumerate(d["content"]):
             t = p.get("type") if isinstance(p, dict) else None
-            if isinstance(t, str) and t not in TEXT_PARTS:
+            if isinstance(t, str) and t not in PARTS:
                 raise InvalidItem(
-                    f"content part type {t!r} is not supported; only text is", f"{param}.content[{j}].type"
+                    f"content part type {t!r} is not supported; only text and input_image are",
+                    f"{param}.content[{j}].type",
                 )
     if isinstance(kind, str) and kind not in ID_KINDS:
         raise InvalidItem(f"unknown item type {kind!r}; supported: {', '.join(ID_KINDS)}", f"{param}.type")

@@ -51,6 +51,8 @@ class TurnPlanner:
                 connection for a response that was not stored (`api.ws`).
         """
         specs = self._tools(req)
+        if self.fitter.images is not None:  # image parts read and checked before anything is taken
+            await self.fitter.images.check_items(req.input_items)
         resp_id = undo.resp_id or new_id("resp", like=req.slot_of)
         fence = None
         if req.conversation_id is not None:

@@ -31,7 +31,9 @@ from sessions.compaction import (
 )
 from sessions.context import TurnContext
 from sessions.ids import new_id
-from sessions.items import Compaction, Item
+from sessions.image_parts import ImageParts
+from sessions.image_prompt import image_prompt
+from sessions.items import Compaction, Item, images_of
 from sessions.models import now
 from sessions.render import Prompt, build_prompt, decode_exact, encode, render_text, to_messages
 from sessions.requests import ResponseRequest
@@ -58,6 +60,9 @@ class PromptFitter:
         self.engine, self.store, self.tokenizer = engine, store, tokenizer
         self.tokenizing = TokenizerPool(tokenizer)  # one worker: a fast tokenizer is not thread-safe
         self.tokens = tokens
+        # image parts: read and checked by `images`, preprocessed by `processor` (None: a text model)
+        self.images: ImageParts | None = None
+        self.processor: Any = None
         # where a turn's output ends in a rendering: before the end-of-turn (eos) markers
         self.markers = [decode_exact(tokenizer, [i]) for i in tokenizer.eos_token_ids]
 
@@ -95,6 +100,8 @@ class PromptFitter:
         summary, items = view(everything, found)
 
         async def render(summary: str | None, items: list[Item]) -> Prompt:
+            if images_of(items):
+                return await self._render_images(summary, items, req, ctx, specs)
             messages = with_summary(to_messages(items, req.body.instructions), summary, req.body.instructions)
             if ctx.previous_ids is None and self.tokens is not None:  # a re-sent history: its ids cached?
                 text = await self.tokenizing.run(render_text, self.tokenizer, messages, specs, thinking=req.thinking)
@@ -129,6 +136,25 @@ class PromptFitter:
                 items = fewer
                 prompt = await render(summary, items)
         return Fitted(prompt, made)
+
+    async def _render_images(
+        self, summary: str | None, items: list[Item], req: ResponseRequest, ctx: TurnContext, specs: list[ToolSpec]
+    ) -> Prompt:
+        """A context holding image parts: its markers become the images' runs (`sessions.image_prompt`)."""
+        if self.images is None or self.processor is None:
+            assert self.images is not None, "image parts reach a fitter without an image reader"
+            i, j, _ = images_of(items)[0]
+            raise self.images.refuse_all(f"input[{i}].content[{j}]", "input_image")
+        pictures = await self.images.pictures(items, "context")
+        marker = self.processor.marker
+        messages = with_summary(to_messages(items, req.body.instructions, marker), summary, req.body.instructions)
+
+        def run() -> Prompt:
+            text = render_text(self.tokenizer, messages, specs, thinking=req.thinking)
+            return image_prompt(self.processor, self.tokenizer, text, pictures, ctx.previous_ids)
+
+        prompt: Prompt = await self.tokenizing.run(run)
+        return prompt
 
     async def _shorten(
         self, items: list[Item], b: int, ctx: TurnContext, summary: str | None, threshold: int, render: Any

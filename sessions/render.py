@@ -29,10 +29,11 @@ from sessions.items import (
     Compaction,
     CustomToolCall,
     FunctionCall,
+    InputImage,
     Item,
     Message,
     Reasoning,
-    text_of,
+    Refusal,
 )
 from tools.prompt import hermes_messages, inline_custom, normalize_messages
 from tools.schema import ToolSpec
@@ -41,15 +42,31 @@ log = logging.getLogger("longctx.sessions")
 
 
 class Prompt(NamedTuple):
-    """A turn's prompt: its ids, and how many leading ids were the previous turn's (0: re-rendered)."""
+    """A turn's prompt: its ids, and how many leading ids were the previous turn's (0: re-rendered);
+    `images`: the engine's inputs of the images whose placeholder runs the ids hold, in order."""
 
     ids: list[int]
     reused: int
     text: str
+    images: tuple[Any, ...] = ()
 
 
-def to_messages(items: Sequence[Item], instructions: str | None = None) -> list[dict[str, Any]]:
-    """Chat messages for a context (see the module docstring). Compaction items are skipped."""
+def message_text(item: Message, image_marker: str | None = None) -> str:
+    """A message's parts joined; an image part is `image_marker` (`[image]` when None)."""
+    texts = []
+    for p in item.content:
+        if isinstance(p, InputImage):
+            texts.append(image_marker if image_marker is not None else "[image]")
+        else:
+            texts.append(p.refusal if isinstance(p, Refusal) else p.text)
+    return "".join(texts)
+
+
+def to_messages(
+    items: Sequence[Item], instructions: str | None = None, image_marker: str | None = None
+) -> list[dict[str, Any]]:
+    """Chat messages for a context (see the module docstring). Compaction items are skipped;
+    image parts are written as `image_marker` in their message's text (`sessions.image_prompt`)."""
     out: list[dict[str, Any]] = []
     if instructions:
         out.append({"role": "developer", "content": instructions})
@@ -57,7 +74,7 @@ def to_messages(items: Sequence[Item], instructions: str | None = None) -> list[
     for item in items:
         last = out[-1] if out else None
         if isinstance(item, Message):
-            msg: dict[str, Any] = {"role": item.role, "content": text_of(item)}
+            msg: dict[str, Any] = {"role": item.role, "content": message_text(item, image_marker)}
             if item.role == "assistant" and reasoning:
                 msg["reasoning_content"], reasoning = "\n".join(reasoning), []
             out.append(msg)

@@ -31,12 +31,14 @@ from sessions.errors import Conflict, NotFound, RequestInProgress, check_model
 from sessions.event_stream import EventStream, ResponseEvents, replay, stored_events
 from sessions.events import Event, EventWriter
 from sessions.generation import Generation, Generations, ReplyAsk
+from sessions.image_parts import ImageParts
+from sessions.image_prompt import image_prompt
 from sessions.items import Item, ItemPage
 from sessions.models import Response, now
 from sessions.planning import TurnPlanner
 from sessions.prompt_fit import PromptFitter
 from sessions.recovery import settle
-from sessions.render import render_messages
+from sessions.render import Prompt, render_messages, render_text
 from sessions.requests import CreateResponseBody, InvalidParam, ResponseRequest, decode_request
 from sessions.store import SessionStore
 from sessions.token_cache import TokenCache
@@ -54,6 +56,8 @@ class SessionService:
 
     Args:
         tool_format: how the model writes calls (`tools.formats.detect_format`).
+        image_processor: a vision-language checkpoint's `engine.loading.images.ImageProcessor`
+            (None: a model without image input, which refuses image parts).
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class SessionService:
         compiler: GrammarCompiler,
         tool_format: ToolCallFormat,
         config: ServiceConfig | None = None,
+        image_processor: Any = None,
     ):
         self.engine, self.store, self.tokenizer, self.compiler = engine, store, tokenizer, compiler
         self.tool_format = tool_format
@@ -72,6 +77,10 @@ class SessionService:
         self.running: dict[str, Turn] = {}
         self.conversations = ConversationAPI(store)
         self.fitter = PromptFitter(engine, store, tokenizer, TokenCache(store.client, store.config.prefix))
+        marker = image_processor.marker if image_processor is not None else None
+        self.images = self.fitter.images = ImageParts(config.images, marker, config.model)
+        self.fitter.processor = image_processor
+        self.conversations.images = self.images
         self.generations = Generations(engine, tokenizer, compiler, tool_format, config, self.fitter.tokenizing)
         self.planner = TurnPlanner(store, self.fitter, self.generations, config)
 
@@ -136,7 +145,17 @@ class SessionService:
         Raises (before any engine call): InvalidParam (ContextLengthExceeded), tools'
         InvalidRequest, the tenant's or the engine's overload (429).
         """
-        prompt = await self.fitter.tokenizing.run(render_messages, self.tokenizer, messages, ask.offered)
+        messages, pictures = await self.images.chat_messages(messages)
+        if pictures:
+            tok, processor = self.tokenizer, self.fitter.processor
+
+            def run() -> Prompt:
+                text = render_text(tok, messages, ask.offered)
+                return image_prompt(processor, tok, text, pictures, None, param="messages")
+
+            prompt = await self.fitter.tokenizing.run(run)
+        else:
+            prompt = await self.fitter.tokenizing.run(render_messages, self.tokenizer, messages, ask.offered)
         generation = await self.generations.plan(ask, prompt, request_id=request_id, tenant=tenant)
         generation.waiting = WaitingPlace(self.waiting, tenant)
         try:

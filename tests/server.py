@@ -30,8 +30,8 @@ from tests.redis_server import delete_prefix, shared_redis, unique_prefix
 ROOT = Path(__file__).resolve().parent.parent
 TEST_KEY, TEST_TENANT = "sk-test-a", "tenant-a"  # the key clients of `keys_args` servers use
 READY_TIMEOUT_S = 120.0
-# A server with the compiled step compiles (or loads) and self-checks every bucket before ready:
-# cold, on 2 busy cores, minutes.
+# A server with the compiled step is ready at once and compiles (or loads) and self-checks its
+# buckets in the background: cold, on 2 busy cores, minutes (`wait_compiled`).
 COMPILED_READY_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 60.0
 
@@ -110,7 +110,7 @@ def start_server(
             env={**os.environ, **(env or {})},
         )  # fmt: skip
     server = Server(f"http://127.0.0.1:{port}", proc, prefix, log)
-    timeout = COMPILED_READY_TIMEOUT_S if "--compile" in args else READY_TIMEOUT_S
+    timeout = READY_TIMEOUT_S
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -126,6 +126,14 @@ def start_server(
             if not server.health_before_ready:
                 server.health_before_ready = http_get(server.url + "/health")[0] == 200
         time.sleep(0.02)
+
+
+def wait_compiled(server: Server, timeout_s: float = COMPILED_READY_TIMEOUT_S) -> dict[str, object]:
+    """`/ready` once no bucket of the compiled step is compiling any more (the server waits for
+    that event itself: `?wait_compiled_s`); fails if some still is after `timeout_s`."""
+    status, body = http_get(f"{server.url}/ready?wait_compiled_s={timeout_s}", timeout_s=timeout_s + 10)
+    assert status == 200 and not body.get("compiling_buckets"), f"{status} {body}\n{server.log_tail()}"
+    return body
 
 
 @contextmanager

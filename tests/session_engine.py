@@ -11,6 +11,8 @@ import pytest
 
 from engine.engine import Engine, EngineConfig
 from engine.loading.loader import LoadedModel
+from sessions.event_stream import ResponseEvents
+from sessions.models import Response
 from sessions.service import SessionService
 from sessions.store import SessionStore, StoreConfig
 from tests.redis_server import shared_redis
@@ -46,6 +48,20 @@ def compiler(demo_float32: LoadedModel) -> GrammarCompiler:
 async def collect(events: AsyncIterator[T]) -> list[T]:
     """All events of a stream."""
     return [e async for e in events]
+
+
+async def whole(call: Awaitable[Response | ResponseEvents]) -> Response:
+    """What a `create` answered whole (not streamed)."""
+    r = await call
+    assert isinstance(r, Response), r
+    return r
+
+
+async def streamed(call: Awaitable[Response | ResponseEvents]) -> ResponseEvents:
+    """What a `create` answered as its events (`"stream": True`)."""
+    r = await call
+    assert not isinstance(r, Response), r
+    return r
 
 
 Run = Callable[[Callable[[SessionService], Awaitable[Any]]], Any]

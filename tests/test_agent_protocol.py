@@ -115,8 +115,8 @@ def test_codex_first_request_through_the_openai_client(client: openai.OpenAI) ->
 
 
 def test_namespace_tool_call_and_its_output(client: openai.OpenAI) -> None:
-    tools = [next(t for t in codex_body()["tools"] if t["type"] == "namespace"), {"type": "web_search"}]
-    choice = {"type": "function", "name": "spawn_agent", "namespace": "multi_agent_v1"}
+    tools: Any = [next(t for t in codex_body()["tools"] if t["type"] == "namespace"), {"type": "web_search"}]
+    choice: Any = {"type": "function", "name": "spawn_agent", "namespace": "multi_agent_v1"}
     r = client.responses.create(model="demo", input="Start a helper agent.", tools=tools, tool_choice=choice,  # type: ignore[arg-type]
                                 temperature=0, max_output_tokens=40, store=False)  # fmt: skip
     (call,) = r.output
@@ -131,9 +131,9 @@ def test_namespace_tool_call_and_its_output(client: openai.OpenAI) -> None:
 
 
 def test_custom_tools_under_lark_and_regex(client: openai.OpenAI) -> None:
-    lark = {"type": "custom", "name": "math_exp", "description": "an arithmetic expression",
+    lark: Any = {"type": "custom", "name": "math_exp", "description": "an arithmetic expression",
             "format": {"type": "grammar", "syntax": "lark", "definition": MATH_LARK}}  # fmt: skip
-    regex = {"type": "custom", "name": "timestamp", "description": "when",
+    regex: Any = {"type": "custom", "name": "timestamp", "description": "when",
              "format": {"type": "grammar", "syntax": "regex", "definition": TIMESTAMP_REGEX}}  # fmt: skip
     with client.responses.stream(model="demo", input="Add four and four.", tools=[lark, regex],  # type: ignore[list-item]
                                  tool_choice={"type": "custom", "name": "math_exp"}, temperature=0,
@@ -161,8 +161,8 @@ def test_custom_tools_under_lark_and_regex(client: openai.OpenAI) -> None:
 def test_compact_always_returns_a_compaction_item(client: openai.OpenAI) -> None:
     compacted = client.responses.compact(model="demo", input="Hi")
     assert compacted.output[0].type == "compaction" and compacted.output[1].type == "message"
-    nxt = client.responses.create(model="demo", input=[*(i.model_dump() for i in compacted.output),  # type: ignore[misc]
-                                                       {"role": "user", "content": "Go on"}], **GREEDY)  # fmt: skip
+    again: Any = [*(i.model_dump() for i in compacted.output), {"role": "user", "content": "Go on"}]
+    nxt = client.responses.create(model="demo", input=again, **GREEDY)
     assert nxt.status in ("completed", "incomplete")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -16,8 +17,8 @@ from pydantic import BaseModel
 from tests.server import TEST_KEY, Server, demo_args, keyed_server
 
 ARGS = demo_args("256MiB", 1)
-GREEDY = {"temperature": 0, "max_output_tokens": 24}
-WEATHER = {
+GREEDY: dict[str, Any] = {"temperature": 0, "max_output_tokens": 24}
+WEATHER: Any = {
     "type": "function", "name": "get_weather", "strict": True,
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                    "additionalProperties": False},
@@ -87,7 +88,8 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
 
 def test_errors_are_openai_error_objects(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="demo", input="x", tools=[{"type": "oracle"}])  # type: ignore[list-item]
+        oracle: Any = {"type": "oracle"}
+        client.responses.create(model="demo", input="x", tools=[oracle])
     assert e.value.body["param"] == "tools[0].type"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_unknown")

@@ -7,7 +7,7 @@ exceptions of the engine, tools and sessions layers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import msgspec
@@ -179,6 +179,7 @@ def test_sse_close_reaches_the_source() -> None:
     async def run() -> list[bytes]:
         out = []
         stream = sse_bytes(source(), keepalive_s=0.05)
+        assert isinstance(stream, AsyncGenerator)
         async for chunk in stream:
             out.append(chunk)
             if len(out) == 3:

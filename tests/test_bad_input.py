@@ -13,7 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import msgspec
@@ -62,6 +62,7 @@ def served(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         conv = a.conversations.create(items=[{"type": "message", "role": "user", "content": "Hi"}])
         item = a.conversations.items.list(conv.id).data[0].id
         resp = a.responses.create(model="demo", input="Hello", max_output_tokens=2, temperature=0)
+        assert item is not None
         yield Served(s, url, conv.id, item, resp.id)
 
 
@@ -143,7 +144,7 @@ CASES: list[tuple[str, str, str, Any, str | None, int, str | None, tuple[str, ..
      {"model": "demo", "input": "x", "prompt_cache_retention": "forever"}, "key-a", 400, "prompt_cache_retention", ()),
     ("image part", "POST", "/v1/responses",
      {"model": "demo", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
-     "key-a", 400, "input[0].content[0].type", ("input_image", "not supported")),
+     "key-a", 400, "input[0].content[0].type", ("input_image", "not supported", "the model demo")),
     ("unknown model", "POST", "/v1/responses", {"model": "gpt-4o", "input": "x"}, "key-a", 404, "model", ("gpt-4o",)),
     ("compact: no model", "POST", "/v1/responses/compact", {"input": "x"}, "key-a", 400, "model", ()),
     ("compact: unknown model", "POST", "/v1/responses/compact", {"model": "m", "input": "x"}, "key-a", 404, "model",
@@ -179,7 +180,7 @@ CASES: list[tuple[str, str, str, Any, str | None, int, str | None, tuple[str, ..
     ("conv: add none", "POST", "/v1/conversations/{conv}/items", {}, "key-a", 400, "items", ()),
     ("conv: add image", "POST", "/v1/conversations/{conv}/items",
      {"items": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "key-a", 400,
-     "items[0].content[0].type", ("not supported",)),
+     "items[0].content[0].type", ("not supported", "the model demo")),
     ("conv: add unknown", "POST", "/v1/conversations/conv_nope/items", {"items": USER}, "key-a", 404, None, ()),
     ("conv: item unknown", "GET", "/v1/conversations/{conv}/items/msg_nope", None, "key-a", 404, None, ()),
     ("conv: delete item unknown", "DELETE", "/v1/conversations/{conv}/items/msg_nope", None, "key-a", 404, None, ()),
@@ -215,7 +216,7 @@ CASES: list[tuple[str, str, str, Any, str | None, int, str | None, tuple[str, ..
      "key-a", 400, "logit_bias", ("not supported",)),
     ("chat: image part", "POST", "/v1/chat/completions",
      {"model": "demo", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "key-a", 400, "messages[0].content[0].type", ("not supported",)),
+     "key-a", 400, "messages[0].content[0].type", ("not supported", "the model demo")),
     ("chat: hosted tool", "POST", "/v1/chat/completions",
      {"model": "demo", "messages": USER, "tools": [{"type": "web_search"}]}, "key-a", 400, "tools[0].type",
      ("web_search", "cannot run")),
@@ -259,7 +260,7 @@ def snapshot(url: str, prefix: str) -> dict[str, Any]:
         key = raw.decode()
         if key.endswith(COUNTERS):
             continue
-        kind = r.type(key).decode()
+        kind = cast(bytes, r.type(key)).decode()
         if kind == "string":
             out[key] = r.get(key)
         elif kind == "hash":  # a conversation's lease fence counter is a field of its hash
@@ -324,10 +325,12 @@ def test_unknown_fields_are_ignored(served: Served) -> None:
     """Clients send fields this server does not know yet: at the top and nested, they are ignored."""
     a = openai.OpenAI(base_url=served.server.url + "/v1", api_key="key-a", max_retries=0, timeout=60)
     new = {"brand_new_field": {"x": [1]}, "another_one": 3}
+    items: Any = [{"role": "user", "content": "Hi", "new_item_field": 1}]
+    tools: Any = [FN | {"new_tool_field": True}]
+    text: Any = {"format": {"type": "text", "new": 1}}
     r = a.responses.create(
-        model="demo", input=[{"role": "user", "content": "Hi", "new_item_field": 1}],  # type: ignore[list-item]
-        tools=[FN | {"new_tool_field": True}], text={"format": {"type": "text", "new": 1}},  # type: ignore[list-item,typeddict-unknown-key]
-        max_output_tokens=2, temperature=0, store=False, extra_body=new,
+        model="demo", input=items, tools=tools, text=text, max_output_tokens=2, temperature=0, store=False,
+        extra_body=new,
     )  # fmt: skip
     assert r.status in ("completed", "incomplete")
     conv = a.conversations.create(items=[], extra_body=new)

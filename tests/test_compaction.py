@@ -10,7 +10,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import openai
 import pytest
@@ -45,7 +45,7 @@ def summary_of(encrypted_content: str) -> dict[str, Any]:
     return payload
 
 
-def as_input(item: Any) -> dict[str, Any]:
+def as_input(item: Any) -> Any:
     return {"role": item.role, "content": item.content[0].text}
 
 
@@ -76,7 +76,7 @@ def test_compaction_summarises_older_turns(client: openai.OpenAI) -> None:
     assert [i.id for i in items[:5]] == [i.id for i in before] + [items[4].id]
     assert [i.type for i in items] == ["message"] * 5 + ["compaction", "message"]
     fourth = client.responses.create(model="demo", conversation=conv.id, input="Thanks!", **GREEDY)
-    history = [*map(as_input, [i for i in items if i.type == "message"]), {"role": "user", "content": "Thanks!"}]
+    history: Any = [*map(as_input, [i for i in items if i.type == "message"]), {"role": "user", "content": "Thanks!"}]
     whole = client.responses.create(model="demo", input=history, store=False, temperature=0, max_output_tokens=1)
     assert fourth.usage is not None and whole.usage is not None
     assert fourth.usage.input_tokens < whole.usage.input_tokens
@@ -95,7 +95,10 @@ def test_compact_endpoint_and_foreign_items(client: openai.OpenAI) -> None:
     assert [o.type for o in compacted.output] == ["compaction", "message", "message", "message"]
     assert compacted.usage is not None and compacted.usage.output_tokens > 0
     follow = client.responses.create(
-        model="demo", input=[o.model_dump(exclude_none=True) for o in compacted.output], store=False, **GREEDY
+        model="demo",
+        input=[cast(Any, o.model_dump(exclude_none=True)) for o in compacted.output],
+        store=False,
+        **GREEDY,
     )
     assert follow.status == "completed"
     with pytest.raises(openai.BadRequestError) as e:
@@ -117,7 +120,8 @@ def test_truncation_drops_whole_turns(client: openai.OpenAI) -> None:
         [{"role": "user", "content": STORY * 2 + "What honey?"}, {"role": "assistant", "content": "Clover."}],
         [{"role": "user", "content": STORY + "Which city?"}, {"role": "assistant", "content": "Lyon."}],
     ]  # fmt: skip
-    conv = client.conversations.create(items=[rules, *(i for t in turns for i in t)])  # type: ignore[misc]
+    items: Any = [rules, *(i for t in turns for i in t)]
+    conv = client.conversations.create(items=items)
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="demo", conversation=conv.id, input="And?", temperature=0, max_output_tokens=4000)
     assert e.value.code == "context_length_exceeded"
@@ -129,14 +133,15 @@ def test_truncation_drops_whole_turns(client: openai.OpenAI) -> None:
         r = client.responses.create(model="demo", input=kept, store=False, temperature=0, max_output_tokens=1)  # type: ignore[arg-type]
         assert r.usage is not None
         sizes.append(r.usage.input_tokens)
-    ask = limit - (sizes[1] + sizes[2]) // 2  # the whole context does not fit, without one turn it does
+    ask = limit - (sizes[1] + sizes[2]) // 2  # fits without the two oldest turns, not without only one
+    assert sizes[2] + ask <= limit < sizes[1] + ask
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="demo", conversation=conv.id, input="And?", temperature=0, max_output_tokens=ask)
     auto = client.responses.create(
         model="demo", conversation=conv.id, input="And?", temperature=0, max_output_tokens=ask, truncation="auto"
     )
     assert auto.status in ("completed", "incomplete") and auto.usage is not None
-    assert auto.usage.input_tokens == sizes[2] if sizes[1] + ask > limit else sizes[1]
+    assert auto.usage.input_tokens == sizes[2]  # the two oldest turns dropped, whole
 
 
 def test_shortened_tool_outputs_stay_shortened_so_the_next_turn_reuses_the_kv(client: openai.OpenAI) -> None:

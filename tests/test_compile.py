@@ -176,7 +176,8 @@ def test_widened_bf16_compiled_equals_eager(dense: TinyModel, monkeypatch: pytes
         pytest.skip("no linear_bf16 kernel in this build (needs AVX-512)")
     monkeypatch.setattr(linear, "bf16_emulated", lambda: True)
     model, _ = load_model(dense.config, SafetensorsSource(dense.path), torch.bfloat16, progress=False)
-    assert isinstance(model.model.layers[0].mlp.down_proj, WidenedLinear)
+    layer: Any = model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, WidenedLinear)
     breaks = sum(counters["graph_break"].values())
     run = _compiled_run(TinyModel(dense.ref, dense.path, dense.config, model), DENSE_STEPS)
     assert run["buckets"] == DENSE_BUCKETS and run["graphs"] == 2 * len(DENSE_BUCKETS)

@@ -102,7 +102,7 @@ def llama(tiny_dirs: dict[str, Path]) -> tuple[LoadedModel, Any]:
 
 def _permute_qk(lm: LoadedModel) -> None:
     """Layer 1's q and k rows reordered as a GGUF un-permutation applied to the wrong layout would."""
-    attn = lm.model.model.layers[1].self_attn
+    attn: Any = lm.model.model.layers[1].self_attn
     q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
     w = attn.qkv_proj.weight.data
     w[:q] = unpermute_qk(w[:q].clone(), attn.num_heads)
@@ -110,7 +110,8 @@ def _permute_qk(lm: LoadedModel) -> None:
 
 
 def _transpose_o_proj(lm: LoadedModel) -> None:
-    w = lm.model.model.layers[1].self_attn.o_proj.weight.data
+    layer: Any = lm.model.model.layers[1]
+    w = layer.self_attn.o_proj.weight.data
     assert w.shape[0] == w.shape[1]
     w.copy_(w.t().clone())
 
@@ -211,7 +212,8 @@ def test_serving_stage_names_the_layer_and_bucket_of_a_served_only_fault(llama: 
     lm, _ = llama
     served = load(str(lm.source.path), "bfloat16", progress=False)
     with torch.no_grad():
-        served.model.model.layers[1].self_attn.o_proj.weight.mul_(1.5)
+        layer: Any = served.model.model.layers[1]
+        layer.self_attn.o_proj.weight.mul_(1.5)
     options = DoctorOptions(stages=("serving",), serve_dtype="bfloat16", compile=True)
     st = run_stages(lm, options, served=served).stage("serving")
     assert st.status == "fail", st.reasons

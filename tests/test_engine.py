@@ -175,10 +175,8 @@ def test_blocking_iteration_from_threads(tiny: Any) -> None:
     prompts = _prompts(tiny.config.vocab_size)
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as ex:
-            futs = [
-                ex.submit(lambda p=p: engine.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True)).result())
-                for p in prompts[:4]
-            ]
+            params = SamplingParams(max_tokens=8, ignore_eos=True)
+            futs = [ex.submit(lambda p: engine.add_request(p, params).result(), p) for p in prompts[:4]]
             results = [f.result(timeout=60) for f in futs]
     finally:
         engine.shutdown()

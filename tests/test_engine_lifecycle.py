@@ -183,7 +183,7 @@ def test_shutdown_aborts_blocking_and_async_consumers(tiny: Any) -> None:
     started = threading.Barrier(5, timeout=30)
 
     def blocking(i: int) -> None:
-        outs = []
+        outs: list[RequestOutput] = []
         for out in handles[i]:
             if not outs:
                 started.wait()
@@ -191,7 +191,7 @@ def test_shutdown_aborts_blocking_and_async_consumers(tiny: Any) -> None:
         results[i] = outs
 
     async def consume(i: int) -> None:
-        outs = []
+        outs: list[RequestOutput] = []
         async for out in handles[i]:
             if not outs:
                 await asyncio.to_thread(started.wait)

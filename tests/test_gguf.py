@@ -35,7 +35,7 @@ from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
 from tests.tiny_models import engine_greedy
 
-TINY = dict(
+TINY: dict[str, Any] = dict(
     hidden_size=64,
     num_attention_heads=4,
     num_key_value_heads=2,

@@ -29,8 +29,8 @@ def _load(path: Path, dtype: torch.dtype) -> tuple[object, torch.nn.Module, str]
 def _same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> None:
     first, second = dict(a.named_parameters()), dict(b.named_parameters())
     assert first.keys() == second.keys()
-    for name, p in first.items():
-        q = second[name]
+    for name, p0 in first.items():
+        p, q = p0.data, second[name].data
         if p.is_mkldnn:  # bf16 linears prepacked for oneDNN
             p, q = p.to_dense(), q.to_dense()
         assert torch.equal(p, q), name

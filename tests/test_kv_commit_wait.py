@@ -11,7 +11,7 @@ import time
 import redis
 import torch
 
-from kvstore.codec import PageCodec
+from kvstore.codec import PageCodec, Payload
 from kvstore.redis_tier import RedisTier
 from kvstore.spec import KVSpec
 from tests.redis_server import private_redis
@@ -54,7 +54,7 @@ def test_lookup_waits_for_a_pending_page() -> None:
         tier.save(hashes[:1], pages[:1])
         assert tier.flush(10)
         admin.set(tier.key(hashes[1]) + ":pending", b"1", px=30_000)
-        out: list[bytes] = []
+        out: list[Payload] = []
         lookup = threading.Thread(target=tier.get_prefix, args=(hashes, out, threading.Event()))
         lookup.start()
         time.sleep(0.3)

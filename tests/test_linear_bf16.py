@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -86,7 +87,7 @@ def widened(monkeypatch: pytest.MonkeyPatch) -> None:
     [(LlamaConfig, LlamaForCausalLM, {}), (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4})],
 )
 def test_widened_models_close_to_float32(
-    widened: None, tmp_path: Path, config_cls: type, model_cls: type, kwargs: dict[str, int]
+    widened: None, tmp_path: Path, config_cls: type, model_cls: type, kwargs: dict[str, Any]
 ) -> None:
     t = build_tiny(config_cls, model_cls, tmp_path, **kwargs)
     model, _ = load_model(t.config, SafetensorsSource(t.path), torch.bfloat16, progress=False)

@@ -149,16 +149,17 @@ def test_decode_step_python_work_is_independent_of_context(windowed: TinyModel, 
     t = windowed
     cfg = EngineConfig(kv_cache_bytes=1100 * page_bytes(t.config), page_size=PAGE, max_num_batched_tokens=4096)
     engine = Engine(t.model, None, cfg)
+    layers: Any = t.model.model.layers
     if not window:  # the same model attending to everything: every page kept
         engine.scheduler.window = None
-        for layer in t.model.model.layers:
+        for layer in layers:
             layer.self_attn.window = None
     try:
         steps = 2 * PAGE  # two pages fill, two tables grow
         short = list(_decode_lines(engine, random_ids(t.config.vocab_size, 2_000, seed=4), steps))
         long = list(_decode_lines(engine, random_ids(t.config.vocab_size, 16_000, seed=5), steps))
     finally:
-        for layer in t.model.model.layers:
+        for layer in layers:
             layer.self_attn.window = WINDOW
     assert sum(n for _, n in short) == sum(n for _, n in long) == 2
     assert max(n for _, n in long) == 1

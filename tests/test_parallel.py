@@ -41,7 +41,7 @@ from tests.tiny_models import TinyModel, build_tiny, rel_error, run_mixed_step, 
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
-QWEN2_MOE = {
+QWEN2_MOE: dict[str, Any] = {
     "num_experts": 6,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
@@ -260,7 +260,7 @@ def test_fused_expert_layout_shards_identically(tmp_path: Path, expert_parallel:
 
     t = build_tiny(Qwen2MoeConfig, Qwen2MoeForCausalLM, tmp_path / "a", **QWEN2_MOE)
     fuse_checkpoint(t.path, tmp_path / "b")
-    whole = t.model.model.layers[0].mlp
+    whole: Any = t.model.model.layers[0].mlp
     I = QWEN2_MOE["moe_intermediate_size"] // 2
     for rank in range(2):
         ctx = ParallelContext(rank, 2, expert_parallel)
@@ -268,7 +268,7 @@ def test_fused_expert_layout_shards_identically(tmp_path: Path, expert_parallel:
         b, _ = load_model(t.config, SafetensorsSource(tmp_path / "b"), torch.float32, progress=False, parallel=ctx)
         for (n1, p1), (n2, p2) in zip(a.named_parameters(), b.named_parameters(), strict=True):
             assert n1 == n2 and torch.equal(p1, p2), n1
-        mine = a.model.layers[0].mlp
+        mine: Any = a.model.layers[0].mlp
         if expert_parallel:  # experts 3r .. 3r + 2, whole
             assert torch.equal(mine.w13, whole.w13[3 * rank : 3 * rank + 3])
             assert torch.equal(mine.w2, whole.w2[3 * rank : 3 * rank + 3])

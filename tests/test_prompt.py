@@ -20,7 +20,7 @@ TOOLS = parse_tools(
     [{"type": "function", "name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
 )  # fmt: skip
-CALL_TURN = [
+CALL_TURN: list[dict[str, Any]] = [
     {"role": "user", "content": "Weather in Paris?"},
     {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
@@ -43,7 +43,7 @@ def _text(tok: Tokenizer, messages: list[dict[str, Any]], tools: Any = TOOLS) ->
 
 
 def test_hermes_rendering_keeps_the_whole_conversation(demo: Tokenizer) -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         *CALL_TURN,
         {"role": "assistant", "content": "It is 18C and sunny."},
@@ -63,7 +63,7 @@ def test_hermes_rendering_keeps_the_whole_conversation(demo: Tokenizer) -> None:
 
 def test_arguments_are_rendered_once_by_tool_templates(qwen: Tokenizer) -> None:
     flat = {"call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Lyon"}'}  # a Responses call
-    messages = [*CALL_TURN, {"role": "assistant", "content": "", "tool_calls": [flat]}]
+    messages: list[dict[str, Any]] = [*CALL_TURN, {"role": "assistant", "content": "", "tool_calls": [flat]}]
     text = _text(qwen, messages)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert '{"name": "get_weather", "arguments": {"city": "Lyon"}}' in text
@@ -81,7 +81,7 @@ def test_arguments_are_rendered_once_by_tool_templates(qwen: Tokenizer) -> None:
 @pytest.mark.parametrize("which", ["demo", "qwen"])
 def test_content_parts_and_none_become_strings(which: str, request: pytest.FixtureRequest) -> None:
     tok: Tokenizer = request.getfixturevalue(which)
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": [{"type": "input_text", "text": "Hi "}, {"type": "text", "text": "there"}]},
         {"role": "assistant", "content": [{"type": "output_text", "text": "Hello!", "annotations": []}]},
         {"role": "user", "content": None},
@@ -119,7 +119,10 @@ def test_developer_is_system(which: str, request: pytest.FixtureRequest) -> None
 
 
 def test_normalising_leaves_the_request_alone() -> None:
-    messages = [{"role": "developer", "content": [{"type": "input_text", "text": "x"}]}, *CALL_TURN]
+    messages: list[dict[str, Any]] = [
+        {"role": "developer", "content": [{"type": "input_text", "text": "x"}]},
+        *CALL_TURN,
+    ]
     before = copy.deepcopy(messages)
     normalize_messages(messages)
     assert messages == before

@@ -5,6 +5,7 @@ model's accuracy against bf16."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from engine.model.quant import (
 from kvstore.block_pool import BlockPool
 from tests.tiny_models import TinyModel, build_tiny, make_runner, one_thread, rel_error, run_chunked
 
-MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}
+MIXTRAL: dict[str, Any] = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}
 MODES = [QuantConfig("int8"), QuantConfig("int4", 32)]
 # int4 at group 128 on the demo model, calibrated (`engine/loading/calibrate.py`): 0.90 top-1
 # agreement and perplexity within 8% of bf16 (reached: 93%, +6.4%; docs/quantization.md).
@@ -116,7 +117,8 @@ def _dequantized_reference(quant: CausalLM, ref: CausalLM) -> None:
     with torch.no_grad():
         for name, m in quant.named_modules():
             if isinstance(m, QuantLinear) and name != "tied_head" and "_linears." not in name:
-                ref.get_submodule(name).weight.copy_(dequantized(m))
+                weight: Any = ref.get_submodule(name).weight
+                weight.copy_(dequantized(m))
             if isinstance(m, SparseMoE):
                 r = ref.get_submodule(name)
                 for attr in ("w13", "w2"):
@@ -167,9 +169,12 @@ def test_quantized_model_equals_its_dequantized_weights(tiny: TinyModel, mode: Q
     kernel = "aten::_weight_int8pack_mm" if mode.mode == "int8" else "aten::_weight_int4pack_mm_for_cpu"
     int8 = ("aten::_weight_int8pack_mm", "longctx::linear_int8")  # the latter on CPUs emulating bf16
     calls = sum(e.count for e in prof.key_averages() if e.key in (kernel, *int8))
-    linears = sum(isinstance(m, QuantLinear) for m in model.modules())
+    linears = sum(1 for m in model.modules() if isinstance(m, QuantLinear))
     if tiny.config.moe is not None:
-        linears -= sum(len(m.w13_linears) + len(m.w2_linears) for m in model.modules() if isinstance(m, SparseMoE))
+        for mod in model.modules():
+            if isinstance(mod, SparseMoE):
+                assert mod.w13_linears is not None and mod.w2_linears is not None
+                linears -= len(mod.w13_linears) + len(mod.w2_linears)
         linears += 2 * tiny.config.moe.top_k * tiny.config.num_layers  # the experts one token visits
     assert calls == linears
     routers = tiny.config.num_layers if tiny.config.moe is not None else 0
@@ -253,7 +258,7 @@ def test_q4_1_blocks_become_int4_group_32_exactly(demo_gguf: Path, monkeypatch: 
     src = GGUFSource(demo_gguf)
     lm = load(str(demo_gguf), dtype="float32", progress=False, quantization="int4", group_size=32)
     want = {t.name: t for t in src.tensors() if t.name.startswith("model.layers.3.")}
-    layer = lm.model.model.layers[3]
+    layer: Any = lm.model.model.layers[3]
     fused = {
         layer.self_attn.qkv_proj: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         layer.mlp.gate_up_proj: ("mlp.gate_proj", "mlp.up_proj"),

@@ -8,14 +8,19 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import openai
 
+from kvstore.redis_connect import connect
+from sessions.keys import Keys
 from tests.redis_server import delete_prefix, shared_redis, unique_prefix
 from tests.server import TEST_KEY, demo_args, keys_args, start_server
 
-ARGS = demo_args("64MiB", 0)
-LEASE_S = 30
+# Short leases and job claims, so that the next server takes over in seconds (30 by default).
+LEASE_S = 5
+CLAIM_IDLE_S = 3
+ARGS = (*demo_args("64MiB", 0), "--lease-ttl-ms", str(LEASE_S * 1000))
 
 
 def test_foreground_turn_of_a_killed_server_is_failed(demo_gguf: Path, tmp_path: Path) -> None:
@@ -32,9 +37,14 @@ def test_foreground_turn_of_a_killed_server_is_failed(demo_gguf: Path, tmp_path:
             conv = client.conversations.create(items=[{"role": "user", "content": "Hello"}])
             before = [i.id for i in client.conversations.items.list(conv.id).data]
             prev = client.responses.create(model="demo", input="Hello", max_output_tokens=4, temperature=0)
-            runs = {"conversation": {"conversation": conv.id}, "chain": {"previous_response_id": prev.id}}
+            runs: dict[str, Any] = {
+                "conversation": {"conversation": conv.id},
+                "chain": {"previous_response_id": prev.id},
+            }
             seen: dict[str, str] = {}
             started = {name: threading.Event() for name in runs}
+            killed = threading.Event()
+            errors: dict[str, Exception] = {}  # raised before the kill
 
             def stream(name: str) -> None:
                 try:
@@ -45,18 +55,24 @@ def test_foreground_turn_of_a_killed_server_is_failed(demo_gguf: Path, tmp_path:
                                 seen[name] = event.response.id
                             if event.type == "response.output_text.delta":
                                 started[name].set()
-                except Exception:  # the server is killed under it
+                except Exception as e:  # after the kill: the server is gone under it
+                    if not killed.is_set():
+                        errors[name] = e
                     started[name].set()
 
             readers = [threading.Thread(target=stream, args=(name,), daemon=True) for name in runs]
             for reader in readers:
                 reader.start()
-            assert all(e.wait(120) for e in started.values()) and set(seen) == set(runs)
+            assert all(e.wait(120) for e in started.values()) and not errors and set(seen) == set(runs), errors
             assert client.responses.retrieve(seen["chain"]).status == "in_progress"  # alive: its lease renewed
+            lease_ms = connect(url).pttl(Keys(prefix).resp_lease(seen["chain"]))
+            assert 0 < lease_ms <= LEASE_S * 1000, lease_ms  # --lease-ttl-ms took
+            killed.set()
             first.proc.send_signal(signal.SIGKILL)
             first.proc.wait()
             for reader in readers:
                 reader.join(30)
+            assert not errors, errors
             second = start_server(
                 demo_gguf, "--redis-url", url, *ARGS, *keys_args(tmp_path), log=tmp_path / "b.log", prefix=prefix
             )
@@ -65,7 +81,7 @@ def test_foreground_turn_of_a_killed_server_is_failed(demo_gguf: Path, tmp_path:
             for resp_id in seen.values():
                 status = client.responses.retrieve(resp_id).status
                 while status == "in_progress" and time.monotonic() < deadline:
-                    time.sleep(2)
+                    time.sleep(0.5)
                     status = client.responses.retrieve(resp_id).status
                 assert status == "failed"
                 response = client.responses.retrieve(resp_id)
@@ -92,7 +108,7 @@ def kv_pages(url: str, prefix: str) -> int:
 def test_background_and_kv_pages_survive_a_killed_server(demo_gguf: Path, tmp_path: Path) -> None:
     """A background response is finished by the next server and its events resume after N; the
     next turn of a ~3k-token conversation finds its KV pages in Redis (the state Redis here)."""
-    args = demo_args("256MiB", 1)
+    args = (*demo_args("256MiB", 1), "--job-claim-idle-s", str(CLAIM_IDLE_S))
     prefix = unique_prefix()
     long_text = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(160))
     with shared_redis() as (url, _):

@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.engine import Engine, EngineConfig
-from kvstore.codec import PageCodec
+from kvstore.codec import PageCodec, Payload
 from kvstore.prefix import page_hashes
 from kvstore.redis_tier import BATCH_BYTES, RedisTier
 from kvstore.spec import KVSpec
@@ -122,7 +122,7 @@ def test_reads_are_batched_by_bytes() -> None:
         assert tier.flush(10) and tier.counters.written == 40
         admin = redis.Redis.from_url(url)
         admin.config_resetstat()
-        out: list[bytes] = []
+        out: list[Payload] = []
         tier.get_prefix(hashes, out, threading.Event())
         assert codec.to_tensor(out).equal(pages)
         assert admin.info("commandstats")["cmdstat_mget"]["calls"] == 3

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, cast
 
 import openai
 import pytest
@@ -40,9 +41,9 @@ def _job_owner(url: str, prefix: str, resp_id: str, deadline_s: float = 60) -> s
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         for entry in r.xpending_range(Keys(prefix).jobs, GROUP, "-", "+", 10):
-            fields = r.xrange(Keys(prefix).jobs, entry["message_id"], entry["message_id"])
+            fields = cast(list[Any], r.xrange(Keys(prefix).jobs, entry["message_id"], entry["message_id"]))
             if fields and fields[0][1][b"resp"].decode() == resp_id:
-                return str(entry["consumer"].decode())
+                return str(cast(bytes, entry["consumer"]).decode())
         time.sleep(0.1)
     raise AssertionError("the background job was not claimed")
 

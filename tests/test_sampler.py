@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def reference(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: l
     ]
     for w in warpers:
         if w is not None:
-            x = w(ids, x)
+            x = w(cast(torch.LongTensor, ids), x)
     return x[0]
 
 

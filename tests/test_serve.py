@@ -19,7 +19,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -82,7 +84,8 @@ def test_health_answers_before_ready(server: Server) -> None:
     assert set(server.ready_phases) <= {"starting", "redis", "model", "engine", "compile", "warm-up", "routes"}
     status, body = http_get(server.url + "/ready")
     assert status == 200 and body["status"] == "ready"
-    assert set(body["phase_seconds"]) == {"redis", "model", "engine", "compile", "warm-up", "routes"}  # type: ignore[arg-type]
+    phases = set(cast(dict[str, float], body["phase_seconds"]))
+    assert phases == {"redis", "model", "engine", "compile", "warm-up", "routes"}
 
 
 def test_unknown_route_is_an_openai_error(server: Server) -> None:
@@ -97,7 +100,7 @@ def test_unknown_route_is_an_openai_error(server: Server) -> None:
         }
     }
     status, body = _request("POST", server.url + "/health", b"{not json")
-    assert status == 405 and set(body["error"]) == {"message", "type", "param", "code"}  # type: ignore[arg-type]
+    assert status == 405 and set(cast(dict[str, Any], body["error"])) == {"message", "type", "param", "code"}
 
 
 def test_without_redis_server_exits_2(tiny_model: Path, tmp_path: Path) -> None:
@@ -225,12 +228,12 @@ def test_a_waiting_stream_carries_keepalive_comments(server: Server) -> None:
     body = {"model": "m", "input": "Hello", "max_output_tokens": 400, "temperature": 0, "stream": True, "store": False}
     first: list[str] = []
     running = threading.Event()
-    reader = threading.Thread(target=_sse_lines, args=(server.url, body, first, running), daemon=True)
-    reader.start()
-    assert running.wait(120) and "event: response.output_text.delta" in first, first[-5:]
-    second: list[str] = []
-    _sse_lines(server.url, body, second, threading.Event())
-    reader.join(120)
+    with ThreadPoolExecutor(1) as pool:
+        reader = pool.submit(_sse_lines, server.url, body, first, running)  # its asserts fail the test
+        assert running.wait(120) and "event: response.output_text.delta" in first, first[-5:]
+        second: list[str] = []
+        _sse_lines(server.url, body, second, threading.Event())
+        reader.result(120)
     start = second.index("event: response.in_progress")
     deltas = [i for i, line in enumerate(second) if line == "event: response.output_text.delta"]
     end = deltas[0] if deltas else len(second)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -116,7 +117,8 @@ class Cells:
 
 def _assert_kernels(model: CausalLM, path: ServingPath) -> None:
     """The forcing took: the linears and the head are of the kinds the path names."""
-    mlp = model.model.layers[0].mlp.down_proj
+    layer: Any = model.model.layers[0]
+    mlp = layer.mlp.down_proj
     head = model.tied_head or model.lm_head
     if path.quantization != "none":
         assert isinstance(mlp, QuantLinear) and isinstance(head, QuantLinear) and head.mode == "int8"

@@ -9,20 +9,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from sessions.errors import ConversationBusy, LeaseLost, NotFound
-from sessions.items import Message, OutputText, parse_item
+from sessions.items import Item, Message, OutputText, parse_item
 from sessions.models import ConversationRef, Response, new_id
 from sessions.store import SessionStore, StoreConfig
 from tests.redis_server import shared_redis
 
 # weighted toward the lease and the commit, where the actors meet
-OPS = ("append", "append", "delete", "acquire", "acquire", "acquire", "load", "load")
+OPS: tuple[str, ...] = ("append", "append", "delete", "acquire", "acquire", "acquire", "load", "load")
 OPS += ("commit", "commit", "commit", "stale_commit", "stale_commit", "renew", "release")
 
 
@@ -92,7 +92,7 @@ async def play(target: tuple[str, str], steps: list[tuple[str, int, int]]) -> No
             assert [i.id for i in ctx.items] == items and ctx.state.version == version
             a.base = version
         elif op in ("commit", "stale_commit") and a.fences:
-            out = [Message(id=new_id("msg"), role="assistant", content=[OutputText(text="ok")])]
+            out: list[Item] = [Message(id=new_id("msg"), role="assistant", content=[OutputText(text="ok")])]
             r = Response(id=a.resp, model="m", status="completed", output=out, conversation=ConversationRef(cid))
             new = [parse_item({"role": "user", "content": "q"}), *out]
             event(f"{op} {'committed' if holds else 'refused'}")
@@ -118,8 +118,8 @@ async def play(target: tuple[str, str], steps: list[tuple[str, int, int]]) -> No
             lease = None if holds else lease
         # the invariants, after every step
         state = await c.get("t", cid)
-        order = [m.decode() for m in await store.client.zrange(store.keys.order(cid), 0, -1)]
-        bodies = {k.decode() for k in await store.client.hkeys(store.keys.items(cid))}
+        order = [m.decode() for m in cast(list[bytes], await store.client.zrange(store.keys.order(cid), 0, -1))]
+        bodies = {k.decode() for k in cast(list[bytes], await store.client.hkeys(store.keys.items(cid)))}
         assert state.version == version and order == items and set(order) == bodies
         assert not refused & bodies
     await store.close()

@@ -9,6 +9,7 @@ import asyncio
 import copy
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -21,6 +22,7 @@ from sessions.sealed import Sealer, open_reasoning
 from sessions.service import SessionService
 from sessions.store import SessionStore, StoreConfig
 from tests.redis_server import shared_redis
+from tests.session_engine import whole
 from tests.structured_demo import DEMO_VOCAB, compiler
 from tests.tiny_models import build_tiny, one_thread
 from tools.formats import detect_format
@@ -56,11 +58,11 @@ def test_reasoning_item_and_thinking_switch(service_parts: tuple[Engine, Tokeniz
             svc = SessionService(engine, store, tok, compiler(str(demo_gguf)), detect_format(tok))
             try:
                 body = {"input": "Hi", "temperature": 0, "max_output_tokens": 12}
-                r = await svc.create("t", body)
+                r = await whole(svc.create("t", body))
                 # a random model never closes </think>: everything it wrote is reasoning
                 assert [type(i) for i in r.output] == [Reasoning] and r.output[0].content[0].text  # type: ignore[union-attr]
                 assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 12  # type: ignore[union-attr]
-                off = await svc.create("t", body | {"reasoning": {"effort": "none"}})
+                off = await whole(svc.create("t", body | {"reasoning": {"effort": "none"}}))
                 assert [type(i) for i in off.output] == [Message] and off.reasoning.effort == "none"  # type: ignore[union-attr]
                 assert off.usage.output_tokens_details.reasoning_tokens == 0  # type: ignore[union-attr]
             finally:
@@ -82,12 +84,12 @@ def test_encrypted_reasoning_round_trip(service_parts: tuple[Engine, Tokenizer],
             try:
                 body = {"input": "Hi", "temperature": 0, "max_output_tokens": 8, "store": False,
                         "include": ["reasoning.encrypted_content"]}  # fmt: skip
-                r = await svc.create("t", body)
+                r = await whole(svc.create("t", body))
                 (item,) = r.output
                 assert isinstance(item, Reasoning) and isinstance(item.encrypted_content, str)
                 text = item.content[0].text
                 assert text not in item.encrypted_content and item.encrypted_content.startswith("lcr1.")
-                sealed = {
+                sealed: dict[str, Any] = {
                     "type": "reasoning",
                     "id": item.id,
                     "summary": [],
@@ -97,11 +99,11 @@ def test_encrypted_reasoning_round_trip(service_parts: tuple[Engine, Tokenizer],
                 items = parse_input(back)
                 open_reasoning(items, Sealer(await store.reasoning_key(), "t"))
                 assert items[0].content[0].text == text  # type: ignore[union-attr]
-                assert (await svc.create("t", body | {"input": back})).status in ("completed", "incomplete")
+                assert (await whole(svc.create("t", body | {"input": back}))).status in ("completed", "incomplete")
                 forged = [{**back[0], "encrypted_content": item.encrypted_content[:-4] + "AAAA"}, back[1]]
                 for tenant, sent in (("t", forged), ("other", back)):
                     with pytest.raises(InvalidParam) as e:
-                        await svc.create(tenant, body | {"input": sent})
+                        await whole(svc.create(tenant, body | {"input": sent}))
                     assert e.value.param == "input[0].encrypted_content"
             finally:
                 await store.close()

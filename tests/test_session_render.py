@@ -95,14 +95,15 @@ def test_messages_from_items() -> None:
 
 
 def test_backfill_must_answer_an_open_call() -> None:
-    history = [FunctionCall(id="fc_1", call_id="c1", name="f", arguments="{}")]
+    history: list[Item] = [FunctionCall(id="fc_1", call_id="c1", name="f", arguments="{}")]
     check_backfill(history, [FunctionCallOutput(id="o1", call_id="c1", output="x")])
-    answered = [*history, FunctionCallOutput(id="o1", call_id="c1", output="x")]
-    for hist, new, why in [
+    answered: list[Item] = [*history, FunctionCallOutput(id="o1", call_id="c1", output="x")]
+    cases: list[tuple[list[Item], list[Item], str]] = [
         (history, [FunctionCallOutput(id="o2", call_id="zz", output="x")], "no function_call"),
         (answered, [FunctionCallOutput(id="o2", call_id="c1", output="x")], "already been answered"),
         ([], [*parse_input("hi"), FunctionCallOutput(id="o2", call_id="c1", output="x")], "no function_call"),
-    ]:
+    ]
+    for hist, new, why in cases:
         with pytest.raises(InvalidParam, match=why) as e:
             check_backfill(hist, new)
         assert e.value.param == f"input[{len(new) - 1}].call_id"

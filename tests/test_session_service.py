@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -23,7 +23,7 @@ from sessions.models import Response
 from sessions.requests import InvalidParam
 from sessions.service import SessionService
 from sessions.store import SessionStore, StoreConfig
-from tests.session_engine import PAGE, TENANT, Run, collect, compiler, engine, run, target
+from tests.session_engine import PAGE, TENANT, Run, collect, compiler, engine, run, streamed, target, whole
 from tools.formats import detect_format
 from tools.grammar import GrammarCompiler
 
@@ -43,12 +43,13 @@ def dump(target: tuple[str, str]) -> dict[bytes, Any]:
     r = redis.Redis.from_url(target[0])
 
     def fields(k: bytes) -> dict[bytes, bytes]:  # a conversation's fence counter is a field of its hash
-        return {f: v for f, v in r.hgetall(k).items() if f != b"fence"}
+        got: dict[bytes, bytes] = r.hgetall(k)  # type: ignore[assignment]  # bytes: no decode_responses
+        return {f: v for f, v in got.items() if f != b"fence"}
 
     read = {b"string": r.get, b"hash": fields, b"zset": lambda k: r.zrange(k, 0, -1, withscores=True)}
-    keys = [k for k in r.scan_iter(match=f"{target[1]}*")
+    keys: list[bytes] = [k for k in r.scan_iter(match=f"{target[1]}*")
             if r.type(k) in read and b":tok:" not in k and not k.endswith(b":layout")]  # fmt: skip
-    return {k: read[r.type(k)](k) for k in keys}
+    return {k: read[cast(bytes, r.type(k))](k) for k in keys}
 
 
 def answer(r: Response) -> str:
@@ -82,7 +83,7 @@ def whole_history(run: Run, responses: list[Response]) -> None:
         history: list[Any] = []
         for q, r in zip(QUESTIONS, responses, strict=True):
             history.append({"role": "user", "content": q})
-            again = await svc.create(TENANT, {"input": history, "store": False, **GREEDY})
+            again = await whole(svc.create(TENANT, {"input": history, "store": False, **GREEDY}))
             assert again.usage.input_tokens == r.usage.input_tokens  # type: ignore[union-attr]
             assert answer(again) == answer(r)
             history += [{"role": "assistant", "content": answer(r)}]
@@ -94,7 +95,7 @@ def test_three_turns_in_a_conversation(run: Run, engine: Engine, target: tuple[s
     conv_id = run(lambda svc: svc.store.conversations.create(TENANT)).conversation.id
 
     async def turn(n: int, _: Response | None) -> Response:
-        return await svc_of[0].create(TENANT, {"conversation": conv_id, "input": QUESTIONS[n], **GREEDY})
+        return await whole(svc_of[0].create(TENANT, {"conversation": conv_id, "input": QUESTIONS[n], **GREEDY}))
 
     svc_of: list[SessionService] = []
 
@@ -115,7 +116,7 @@ def test_three_turns_by_previous_response_id(run: Run, engine: Engine) -> None:
 
     async def turn(n: int, prev: Response | None) -> Response:
         body = {"input": QUESTIONS[n], "instructions": None, **GREEDY}
-        return await svc_of[0].create(TENANT, body | ({"previous_response_id": prev.id} if prev else {}))
+        return await whole(svc_of[0].create(TENANT, body | ({"previous_response_id": prev.id} if prev else {})))
 
     async def body(svc: SessionService) -> list[Response]:
         svc_of.append(svc)
@@ -128,7 +129,7 @@ def test_three_turns_by_previous_response_id(run: Run, engine: Engine) -> None:
 
 def test_stream_events_in_order(run: Run) -> None:
     async def body(svc: SessionService) -> tuple[list[dict[str, Any]], Response]:
-        stream = await svc.create(TENANT, {"input": QUESTIONS[0], "stream": True, **GREEDY})
+        stream = await streamed(svc.create(TENANT, {"input": QUESTIONS[0], "stream": True, **GREEDY}))
         assert isinstance(stream, EventStream)
         events = await collect(stream)
         return events, await svc.retrieve(TENANT, events[-1]["response"].id)
@@ -154,10 +155,10 @@ def test_tool_round_trip_and_bad_backfill(run: Run, target: tuple[str, str]) -> 
 
     async def body(svc: SessionService) -> None:
         conv = (await svc.store.conversations.create(TENANT)).conversation.id
-        stream = await svc.create(
+        stream = await streamed(svc.create(
             TENANT, {"conversation": conv, "input": "What is the weather in Paris?", "tool_choice": "required",
                      "stream": True, **tools},
-        )  # fmt: skip
+        ))  # fmt: skip
         events = await collect(stream)
         call = events[-1]["response"].output[-1]
         assert [type(i) for i in events[-1]["response"].output] == [FunctionCall]  # calls only: no message
@@ -169,14 +170,14 @@ def test_tool_round_trip_and_bad_backfill(run: Run, target: tuple[str, str]) -> 
         before = dump(target)
         bad = {"type": "function_call_output", "call_id": "call_unknown", "output": "18C"}
         with pytest.raises(InvalidParam) as e:
-            await svc.create(TENANT, {"conversation": conv, "input": [bad], **tools})
+            await whole(svc.create(TENANT, {"conversation": conv, "input": [bad], **tools}))
         assert e.value.param == "input[0].call_id" and dump(target) == before
 
         output = {"type": "function_call_output", "call_id": call.call_id, "output": "18C and sunny"}
-        r = await svc.create(TENANT, {"conversation": conv, "input": [output], **tools})
+        r = await whole(svc.create(TENANT, {"conversation": conv, "input": [output], **tools}))
         assert r.status == "completed" and answer(r) and not any(isinstance(i, FunctionCall) for i in r.output)
         with pytest.raises(InvalidParam, match="already been answered"):
-            await svc.create(TENANT, {"conversation": conv, "input": [output], **tools})
+            await whole(svc.create(TENANT, {"conversation": conv, "input": [output], **tools}))
 
     run(body)
 
@@ -198,15 +199,15 @@ def test_concurrent_turns_one_busy(run: Run) -> None:
 def test_dropped_stream_is_incomplete_and_committed_once(run: Run) -> None:
     async def body(svc: SessionService) -> None:
         conv = (await svc.store.conversations.create(TENANT)).conversation.id
-        stream = await svc.create(
+        stream = await streamed(svc.create(
             TENANT, {"conversation": conv, "input": "Tell me a long story.", "stream": True, "temperature": 0,
                      "max_output_tokens": 200},
-        )  # fmt: skip
+        ))  # fmt: skip
         async for event in stream:
             if event["type"] == "response.output_text.delta":
                 break
         await stream.aclose()
-        assert stream.task is not None
+        assert isinstance(stream, EventStream) and stream.task is not None
         final = await stream.task
         assert final.status == "incomplete" and final.incomplete_details.reason == "client_disconnected"
         assert final.usage.output_tokens < 200
@@ -214,7 +215,7 @@ def test_dropped_stream_is_incomplete_and_committed_once(run: Run) -> None:
         assert stored.status == "incomplete" and stored.output == final.output
         state = await svc.store.conversations.load(TENANT, conv)
         assert len(state.items) == 2 and state.state.version == 1
-        r = await svc.create(TENANT, {"conversation": conv, "input": "Shorter, please.", **GREEDY})
+        r = await whole(svc.create(TENANT, {"conversation": conv, "input": "Shorter, please.", **GREEDY}))
         assert r.status == "completed"  # the lease was released
 
     run(body)
@@ -224,13 +225,13 @@ def test_idempotency_key_repeats_the_first_response(run: Run) -> None:
     async def body(svc: SessionService) -> None:
         conv = (await svc.store.conversations.create(TENANT)).conversation.id
         req = {"conversation": conv, "input": "Hi!", **GREEDY}
-        stream = await svc.create(TENANT, req | {"stream": True}, idempotency_key="k1")
+        stream = await streamed(svc.create(TENANT, req | {"stream": True}, idempotency_key="k1"))
         with pytest.raises(RequestInProgress):
-            await svc.create(TENANT, req, idempotency_key="k1")
+            await whole(svc.create(TENANT, req, idempotency_key="k1"))
         first = (await collect(stream))[-1]["response"]
-        again = await svc.create(TENANT, req, idempotency_key="k1")
+        again = await whole(svc.create(TENANT, req, idempotency_key="k1"))
         assert again.id == first.id and answer(again) == answer(first)
-        replay = await collect(await svc.create(TENANT, req | {"stream": True}, idempotency_key="k1"))
+        replay = await collect(await streamed(svc.create(TENANT, req | {"stream": True}, idempotency_key="k1")))
         assert [e["type"] for e in replay] == ["response.created", "response.completed"]
         state = await svc.store.conversations.load(TENANT, conv)
         assert len(state.items) == 2  # one turn only
@@ -240,7 +241,7 @@ def test_idempotency_key_repeats_the_first_response(run: Run) -> None:
         )
         busy = [i for i, g in zip((2, 3), got, strict=True) if isinstance(g, ConversationBusy)]
         assert len(busy) == 1, got
-        retry = await svc.create(TENANT, req, idempotency_key=f"k{busy[0]}")
+        retry = await whole(svc.create(TENANT, req, idempotency_key=f"k{busy[0]}"))
         assert retry.status == "completed" and retry.id not in {g.id for g in got if isinstance(g, Response)}
         assert len((await svc.store.conversations.load(TENANT, conv)).items) == 6
 
@@ -251,23 +252,24 @@ def test_output_length_checks_and_store_false(run: Run, target: tuple[str, str])
     async def body(svc: SessionService) -> None:
         before = dump(target)
         with pytest.raises(InvalidParam) as e:
-            await svc.create(TENANT, {"input": "Hi", "max_output_tokens": svc.config.max_output_tokens + 1})
+            await whole(svc.create(TENANT, {"input": "Hi", "max_output_tokens": svc.config.max_output_tokens + 1}))
         assert e.value.param == "max_output_tokens"
         with pytest.raises(InvalidParam) as e:
-            await svc.create(TENANT, {"input": "word " * 5000})
+            await whole(svc.create(TENANT, {"input": "word " * 5000}))
         assert e.value.code == "context_length_exceeded" and "4096" in e.value.message
         bad = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
         with pytest.raises(InvalidParam) as e:
-            await svc.create(TENANT, {"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": bad}]})
+            tools = [{"type": "function", "name": "f", "parameters": bad}]
+            await whole(svc.create(TENANT, {"input": "Hi", "tools": tools}))
         assert e.value.param == "tools[0].parameters"
         with pytest.raises(InvalidParam) as e:
             fmt = {"format": {"type": "json_schema", "name": "x", "schema": bad}}
-            await svc.create(TENANT, {"input": "Hi", "text": fmt})
+            await whole(svc.create(TENANT, {"input": "Hi", "text": fmt}))
         assert e.value.param.startswith("text.format")
-        r = await svc.create(TENANT, {"input": "Hi", "store": False, "temperature": 0, "max_output_tokens": 4})
+        r = await whole(svc.create(TENANT, {"input": "Hi", "store": False, "temperature": 0, "max_output_tokens": 4}))
         assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
         assert dump(target) == before  # nothing written
-        r = await svc.create(TENANT, {"input": "Hi", "store": False, "temperature": 0})
+        r = await whole(svc.create(TENANT, {"input": "Hi", "store": False, "temperature": 0}))
         # the default output length: what the context and the KV cache leave, under the cap
         assert r.max_output_tokens == min(svc.engine.capacity_tokens - r.usage.input_tokens, 4096)  # type: ignore[union-attr]
 
@@ -275,30 +277,37 @@ def test_output_length_checks_and_store_false(run: Run, target: tuple[str, str])
 
 
 def test_lease_renewed_while_generating(engine: Engine, target: tuple[str, str], compiler: GrammarCompiler) -> None:
-    """A turn generating for longer than the lease lives still commits: it renews the lease."""
+    """A turn generating for longer than the lease lives still commits: it renews the lease. The
+    lease lives a quarter of what the same turn took unstored here, so the turn outlives it on any
+    machine."""
+    # a schema that forces a long reply: 40 numbers
+    numbers = {"type": "array", "items": {"type": "integer"}, "minItems": 40, "maxItems": 40}
+    schema = {"type": "object", "properties": {"n": numbers}, "required": ["n"]}
+    ask = {"input": "Forty numbers, please.", "text": {"format": {"type": "json_schema", "name": "numbers",
+           "schema": schema}}, "temperature": 0, "max_output_tokens": 200}  # fmt: skip
 
-    async def main() -> None:
-        store = SessionStore.connect(target[0], StoreConfig(prefix=target[1], lease_ttl_ms=1500))
+    async def turn(lease_ttl_ms: int, **extra: Any) -> tuple[float, int]:
+        """(seconds the turn took, items of its conversation; 0 unstored)."""
+        store = SessionStore.connect(target[0], StoreConfig(prefix=target[1], lease_ttl_ms=lease_ttl_ms))
         tok = engine.tokenizer
         assert tok is not None
-        svc = SessionService(engine, store, tok, compiler, detect_format(tok), ServiceConfig(lease_renew_s=0.1))
+        config = ServiceConfig(lease_renew_s=lease_ttl_ms / 10_000)
+        svc = SessionService(engine, store, tok, compiler, detect_format(tok), config)
         try:
-            conv = (await svc.conversations.create(TENANT)).id
+            conv = (await svc.conversations.create(TENANT)).id if not extra else None
             start = time.monotonic()
-            # a schema that forces a long reply: 40 numbers
-            numbers = {"type": "array", "items": {"type": "integer"}, "minItems": 40, "maxItems": 40}
-            schema = {"type": "object", "properties": {"n": numbers}, "required": ["n"]}
-            fmt = {"format": {"type": "json_schema", "name": "numbers", "schema": schema}}
-            r = await svc.create(TENANT, {"conversation": conv, "input": "Forty numbers, please.", "text": fmt,
-                                          "temperature": 0, "max_output_tokens": 200})  # fmt: skip
+            r = await whole(svc.create(TENANT, {**ask, **({"conversation": conv} if conv else extra)}))
             took = time.monotonic() - start
             assert r.status == "completed" and r.usage.output_tokens >= 80  # type: ignore[union-attr]
-            assert took > 1.6  # longer than the lease lives unrenewed
-            assert len((await store.conversations.load(TENANT, conv)).items) == 2
+            return took, len((await store.conversations.load(TENANT, conv)).items) if conv else 0
         finally:
             await store.close()
 
-    asyncio.run(main())
+    unstored, _ = asyncio.run(turn(30_000, store=False))
+    lease_ms = max(1, int(unstored * 250))
+    took, items = asyncio.run(turn(lease_ms))
+    assert took * 1000 > 2 * lease_ms  # the turn outlived its lease unrenewed (twice over)
+    assert items == 2
 
 
 class CountingGate:
@@ -326,8 +335,8 @@ def test_foreground_turns_hold_a_waiting_place_until_their_first_output(run: Run
     async def body(svc: SessionService) -> None:
         gate = svc.waiting = CountingGate(1)
         try:
-            await svc.create(TENANT, {"input": QUESTIONS[0], **GREEDY})
-            stream = await svc.create(TENANT, {"input": QUESTIONS[1], "stream": True, **GREEDY})
+            await whole(svc.create(TENANT, {"input": QUESTIONS[0], **GREEDY}))
+            stream = await streamed(svc.create(TENANT, {"input": QUESTIONS[1], "stream": True, **GREEDY}))
             assert isinstance(stream, EventStream)
             async for event in stream:
                 if event["type"] == "response.output_text.delta":
@@ -341,11 +350,11 @@ def test_foreground_turns_hold_a_waiting_place_until_their_first_output(run: Run
             conv = (await svc.store.conversations.create(TENANT)).conversation.id
             before = dump(target)
             with pytest.raises(RequestInProgress):
-                await svc.create(TENANT, {"conversation": conv, "input": QUESTIONS[2], **GREEDY})
+                await whole(svc.create(TENANT, {"conversation": conv, "input": QUESTIONS[2], **GREEDY}))
             assert dump(target) == before and gate.waiting == 0
             gate.limit = 1
             with pytest.raises(InvalidParam):  # refused by a check: no place left taken
-                await svc.create(TENANT, {"input": QUESTIONS[2], "max_output_tokens": 10**9})
+                await whole(svc.create(TENANT, {"input": QUESTIONS[2], "max_output_tokens": 10**9}))
             assert gate.waiting == 0
         finally:
             svc.waiting = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 import pytest
@@ -53,7 +53,7 @@ def run(target: tuple[str, str], body: Callable[[SessionStore], Awaitable[T]], *
 def dump(url: str, prefix: str) -> dict[bytes, Any]:
     """Every key of ours with its contents (by type: DUMP bytes of a hash depend on its layout)."""
     r = redis.Redis.from_url(url)
-    read = {
+    read: dict[bytes, Callable[[bytes], Any]] = {
         b"string": r.get,
         b"hash": r.hgetall,
         b"zset": lambda k: r.zrange(k, 0, -1, withscores=True),
@@ -80,7 +80,7 @@ def test_every_item_type_round_trips_in_sdk_forms(target: tuple[str, str]) -> No
         page = await store.conversations.list_items("t", cid, order="asc", limit=100)
         assert page.items == items and not page.has_more
         assert [await store.conversations.get_item("t", cid, i.id) for i in items] == items
-        return list(await store.client.hvals(store.keys.items(cid)))
+        return cast(list[bytes], await store.client.hvals(store.keys.items(cid)))
 
     stored = {msgspec.json.decode(b)["id"]: msgspec.json.decode(b) for b in run(target, body)}
     kinds = [stored[i.id]["type"] for i in items]
@@ -298,11 +298,14 @@ def test_other_tenants_get_not_found(target: tuple[str, str]) -> None:
 
 def test_chain_walk(target: tuple[str, str]) -> None:
     async def body(store: SessionStore) -> None:
-        responses, inputs, prev = [], [], None
+        responses: list[Response] = []
+        inputs: list[list[Item]] = []
+        prev: str | None = None
         for i in range(3):
             r, inp = reply(None, f"answer {i}", previous_response_id=prev), [user(f"question {i}")]
             await store.responses.save("t", r, inp, prompt_ids=list(range(4 * i + 2)), output_ids=[100 + i])
             responses, inputs, prev = [*responses, r], [*inputs, inp], r.id
+        assert prev is not None
         chain = await store.responses.load_chain("t", prev)
         assert [link.response for link in chain.links] == responses
         assert [link.input_items for link in chain.links] == inputs
@@ -314,9 +317,9 @@ def test_chain_walk(target: tuple[str, str]) -> None:
         assert missing.value.id == responses[1].id
 
     async def short(store: SessionStore) -> None:
-        prev = None
+        prev = ""
         for _ in range(3):
-            r = reply(None, previous_response_id=prev)
+            r = reply(None, previous_response_id=prev or None)
             await store.responses.save("t", r)
             prev = r.id
         with pytest.raises(ChainTooLong):

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
+from engine.engine import Engine
 from sessions.config import WorkerConfig
 from sessions.items import Message, text_of
 from sessions.requests import InvalidParam
 from sessions.service import SessionService
 from sessions.tasks import BackgroundWorkers
-from tests.session_engine import TENANT, Run, collect, compiler, engine, run, target
+from tests.session_engine import TENANT, Run, collect, compiler, engine, run, target, whole
 
 __all__ = ["compiler", "engine", "run", "target"]  # fixtures
 QUESTION = {"input": "What is the capital of France?", "temperature": 0, "max_output_tokens": 24}
@@ -30,6 +31,7 @@ async def with_workers(svc: SessionService, body: Any, **kw: Any) -> Any:
     finally:
         workers.cancel()
         await asyncio.gather(workers, return_exceptions=True)
+        assert isinstance(svc.engine, Engine)
         for _ in range(500):  # aborted requests end on the engine thread: before this loop closes
             if not svc.engine.has_unfinished():
                 break
@@ -38,7 +40,7 @@ async def with_workers(svc: SessionService, body: Any, **kw: Any) -> Any:
 
 def test_background_response_runs_and_streams_from_the_store(run: Run) -> None:
     async def body(svc: SessionService) -> None:
-        queued = await svc.create(TENANT, {**QUESTION, "background": True})
+        queued = await whole(svc.create(TENANT, {**QUESTION, "background": True}))
         assert queued.status == "queued" and queued.background
         events = await with_workers(svc, collect(svc.stream_events(TENANT, queued.id)))
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -49,7 +51,7 @@ def test_background_response_runs_and_streams_from_the_store(run: Run) -> None:
         assert resumed == events[3:]
         assert "attempt" not in events[0]
 
-        foreground = await svc.create(TENANT, QUESTION)
+        foreground = await whole(svc.create(TENANT, QUESTION))
         with pytest.raises(InvalidParam):
             await svc.cancel(TENANT, foreground.id)
 
@@ -58,7 +60,7 @@ def test_background_response_runs_and_streams_from_the_store(run: Run) -> None:
 
 def test_a_dead_workers_job_is_rerun_as_attempt_2(run: Run) -> None:
     async def body(svc: SessionService) -> None:
-        queued = await svc.create(TENANT, {**QUESTION, "background": True})
+        queued = await whole(svc.create(TENANT, {**QUESTION, "background": True}))
         (job,) = await svc.store.jobs.claim("dead-worker")  # claimed, then its server died mid-way
         for seq in range(2):
             await svc.store.events.append(queued.id, {"type": "response.created", "sequence_number": seq})
@@ -78,7 +80,7 @@ def test_a_dead_workers_job_is_rerun_as_attempt_2(run: Run) -> None:
 def test_cancel_acts_within_seconds(run: Run, where: str) -> None:
     async def body(svc: SessionService) -> None:
         conv = (await svc.conversations.create(TENANT)).id
-        queued = await svc.create(TENANT, {**LONG, "conversation": conv, "background": True})
+        queued = await whole(svc.create(TENANT, {**LONG, "conversation": conv, "background": True}))
 
         async def cancel_once_generating() -> tuple[Any, float, list[Any]]:
             async for event in svc.stream_events(TENANT, queued.id):
@@ -99,7 +101,7 @@ def test_cancel_acts_within_seconds(run: Run, where: str) -> None:
         assert (await svc.retrieve(TENANT, queued.id)).status == "cancelled"
         state = await svc.store.conversations.load(TENANT, conv)
         assert state.items == [] and state.state.version == 0  # a cancelled turn appends nothing
-        r = await svc.create(TENANT, {**QUESTION, "conversation": conv})  # the lease was released
+        r = await whole(svc.create(TENANT, {**QUESTION, "conversation": conv}))  # the lease was released
         assert r.status == "completed" and isinstance(r.output[0], Message)
 
     run(body)
@@ -107,13 +109,17 @@ def test_cancel_acts_within_seconds(run: Run, where: str) -> None:
 
 def test_cancel_while_queued_never_runs(run: Run) -> None:
     async def body(svc: SessionService) -> None:
-        queued = await svc.create(TENANT, {**QUESTION, "background": True})
+        queued = await whole(svc.create(TENANT, {**QUESTION, "background": True}))
         assert (await svc.cancel(TENANT, queued.id)).status == "cancelled"
+        assert isinstance(svc.engine, Engine)
         computed = svc.engine.stats.prompt_tokens_computed
 
         async def drained() -> None:  # its job was claimed and acked
             ours = queued.id.encode()
-            while any(f[b"resp"] == ours for _, f in await svc.store.client.xrange(svc.store.keys.jobs)):
+            while True:
+                jobs = cast(list[tuple[bytes, dict[bytes, bytes]]], await svc.store.client.xrange(svc.store.keys.jobs))
+                if not any(f[b"resp"] == ours for _, f in jobs):
+                    return
                 await asyncio.sleep(0.05)
 
         await with_workers(svc, asyncio.wait_for(drained(), 10))

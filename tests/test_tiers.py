@@ -44,6 +44,25 @@ def test_codec_round_trip_and_sizes() -> None:
     assert 0 < err < 0.02
 
 
+def test_page_images_copy_straight_in_and_out_of_the_cache() -> None:
+    """A page's image (what the host tier keeps and Redis stores in the model dtype) is the
+    codec's payload of `read_pages`; written back into other, scattered pages, the cache holds
+    the same K/V there, and nothing else changes."""
+    codec = PageCodec(SPEC, "bfloat16", "ns")
+    kv = KVCache(SPEC, 12)
+    for layer in kv.layers:
+        layer.copy_(torch.randn(layer.shape, generator=torch.Generator().manual_seed(1)).to(layer.dtype))
+    src = [7, 2, 3, 10]
+    images = kv.read_images(src)
+    assert [bytes(i) for i in images] == codec.payloads(kv.read_pages(src))
+    before = kv.read_pages(list(range(12)))
+    dst = [0, 5, 6, 11]
+    kv.write_images(dst, [bytes(images[0]), images[1], memoryview(bytes(images[2])), images[3]])
+    assert torch.equal(kv.read_pages(dst), before[src])
+    untouched = [p for p in range(12) if p not in dst]
+    assert torch.equal(kv.read_pages(untouched), before[untouched])
+
+
 def test_codec_rejects_damaged_truncated_and_foreign_pages() -> None:
     codec = PageCodec(SPEC, "bfloat16", "ns")
     h = b"h" * 16

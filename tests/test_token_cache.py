@@ -13,7 +13,7 @@ from sessions.render import encode
 from sessions.requests import decode_request
 from sessions.service import SessionService
 from sessions.token_cache import boundaries
-from tests.session_engine import PAGE, TENANT, Run, compiler, engine, run, target
+from tests.session_engine import PAGE, TENANT, Run, compiler, engine, run, target, whole
 
 __all__ = ["compiler", "engine", "run", "target"]  # fixtures
 
@@ -29,14 +29,16 @@ def test_boundaries_are_before_each_marker_latest_first() -> None:
 def test_resent_history_continues_the_previous_ids(run: Run) -> None:
     async def body(svc: SessionService) -> None:
         history: list[Any] = [{"role": "developer", "content": INSTRUCTIONS}, {"role": "user", "content": "Hi!"}]
-        first = await svc.create(TENANT, {"input": history, "store": False, "temperature": 0, "max_output_tokens": 48})
-        assert first.status == "completed", first
+        ask = {"input": history, "store": False, "temperature": 0, "max_output_tokens": 48}
+        first = await whole(svc.create(TENANT, ask))
+        assert first.status == "completed" and first.usage is not None, first
         seen = first.usage.input_tokens + first.usage.output_tokens
         for question in ("And what is 2 + 2?", "Thanks. One more word?"):
             history += [msgspec.to_builtins(i) for i in first.output]  # the output items as a client holds them
             history.append({"role": "user", "content": question})
-            nxt = await svc.create(TENANT, {"input": history, "store": False, "temperature": 0,
-                                            "max_output_tokens": 48})  # fmt: skip
+            nxt = await whole(svc.create(TENANT, {"input": history, "store": False, "temperature": 0,
+                                            "max_output_tokens": 48}))  # fmt: skip
+            assert nxt.usage is not None
             cached = nxt.usage.input_tokens_details.cached_tokens
             assert cached >= (seen - 1) // PAGE * PAGE, (cached, seen)  # every full page of the last turn
             assert cached >= 0.9 * nxt.usage.input_tokens

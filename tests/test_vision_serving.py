@@ -48,15 +48,23 @@ def compiled_setup(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[N
 @pytest.mark.skipif(compile_available() is not None, reason=f"cannot compile: {compile_available()}")
 def test_compiled_step_merges_images(idefics3: TinyVLM, compiled_setup: None) -> None:
     """Chunks of 16 with image features in them run the compiled regions (bucket 16, and 4 for
-    the last) and give transformers' logits."""
+    the last) and give the eager step's logits (the image chunks' rows included), and
+    transformers'."""
     t = idefics3
-    runner, pool = vlm_runner(t)
-    step = runner.step = CompiledStep(t.model)
     ids, images = t.prompt(f"{t.processor.marker} What is in this picture?", [image(1)])
     assert len(ids) % 16 and len(ids) > 32
-    err = rel_error(run_chunks(t, runner, pool, ids, images, 16), reference_logits(t, ids, images))
-    assert err < 1e-4, f"error {err:.2e}"
+    runner, pool = vlm_runner(t)
+    eager = run_chunks(t, runner, pool, ids, images, 16)
+    runner, pool = vlm_runner(t)
+    step = runner.step = CompiledStep(t.model)
+    compiled = run_chunks(t, runner, pool, ids, images, 16)
     assert {16, 4} <= step.compiled_buckets or {16, 8} <= step.compiled_buckets
+    token = t.config.vision.image_token_id  # type: ignore[union-attr]
+    rows = [i for i, x in enumerate(ids) if x == token]
+    assert rows and rel_error(compiled[rows], eager[rows]) <= 1e-5
+    assert rel_error(compiled, eager) <= 1e-5
+    err = rel_error(compiled, reference_logits(t, ids, images))
+    assert err < 1e-4, f"error {err:.2e}"
 
 
 @pytest.mark.slow

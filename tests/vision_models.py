@@ -86,6 +86,9 @@ def build_checkpoint(family: str, path: Path, seed: int = 0, **text: Any) -> Any
     tok = tiny_tokenizer(family)
     V = len(tok)
     torch.manual_seed(seed)
+    cfg: Any  # each family's config, model and image processor classes
+    ref: Any
+    ip: Any
     if family == "idefics3":
         from transformers import (
             Idefics3Config,
@@ -132,7 +135,7 @@ def build_checkpoint(family: str, path: Path, seed: int = 0, **text: Any) -> Any
                 model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                 num_attention_heads=2, image_size=28, patch_size=7,
             ),
-            image_token_id=_ids(tok, "<image>")[0], vision_feature_layer=-1, vision_feature_select_strategy="full",
+            image_token_index=_ids(tok, "<image>")[0], vision_feature_layer=-1, vision_feature_select_strategy="full",
             multimodal_projector_bias=True, tie_word_embeddings=True,
         )  # fmt: skip
         ref = LlavaForConditionalGeneration(cfg)
@@ -150,7 +153,7 @@ def build_checkpoint(family: str, path: Path, seed: int = 0, **text: Any) -> Any
                 model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                 num_attention_heads=2, image_size=28, patch_size=7, projection_dim=32,
             ),
-            image_token_id=_ids(tok, "<image>")[0], vision_feature_layer=-2,
+            image_token_index=_ids(tok, "<image>")[0], vision_feature_layer=-2,
             vision_feature_select_strategy="default",
         )  # fmt: skip
         ref = LlavaForConditionalGeneration(cfg)

@@ -4,6 +4,10 @@ arrives (SSE chunks are sent on at once, never buffered), learn where the reques
 its new response id went, retry a 429 once on another replica, and move off a replica whose
 connection fails (it leaves the rotation; a stream cut mid-way ends with an `error` event).
 
+A request with an affinity key goes to the replica that served the key last (this router's
+table, else the replica that published the key); one without goes to the replica, among the
+least loaded (within `BALANCE_SLACK`), that served the longest run of its prefix fingerprints.
+
 Every answer carries `x-longctx-replica: <replica URL>`. Own routes: `/health`, `/ready` (200
 while a replica is in rotation), `/metrics` (`api.router.metrics`).
 """
@@ -19,8 +23,18 @@ from typing import Any
 
 import httpx
 
-from api.router.affinity import RESPONSE_ID, AffinityTable, id_key, request_key, tenant_of
+from api.router.affinity import (
+    RESPONSE_ID,
+    AffinityTable,
+    id_key,
+    matched_chunks,
+    parse_body,
+    prefix_fingerprints,
+    request_key,
+    tenant_of,
+)
 from api.router.metrics import RouterCounters, render
+from api.router.registry import Entry
 from api.router.replicas import OVERLOADED, Replica, Replicas
 
 log = logging.getLogger("longctx.route")
@@ -30,22 +44,26 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-connection"}
 SNIFF_BYTES = 4096  # of an answer, searched for the new response's id
+BALANCE_SLACK = 2  # a keyless request goes for its cached prefix to a replica this much busier at most
+Registry = Callable[[], Awaitable[list[Entry]]]
 
 
 class Router:
-    def __init__(self, urls: list[str]):
+    def __init__(self, urls: list[str], registry: Registry | None = None):
         self.replicas = Replicas(urls)
+        self.registry = registry
         self.table = AffinityTable()
+        self.prefixes = AffinityTable()  # prefix fingerprint -> replica URL this router sent it to
         self.counters = RouterCounters()
         self.client: httpx.AsyncClient | None = None
         self._watch: asyncio.Task[None] | None = None
 
     # ---- choosing ----
 
-    def choose(self, key: str | None, exclude: set[str]) -> Replica | None:
+    def choose(self, key: str | None, fingerprints: list[str], exclude: set[str]) -> Replica | None:
         if key is not None:
             url = self.table.get(key)
-            r = self.replicas.by_url.get(url) if url is not None else None
+            r = self.replicas.by_url.get(url) if url is not None else self.replicas.holder(key)
             if r is not None and r.healthy and r.url not in exclude and r.in_flight < OVERLOADED:
                 self.counters.affinity_hits += 1
                 return r
@@ -53,7 +71,31 @@ class Router:
                 self.counters.affinity_misses += 1
             else:
                 self.counters.failovers += 1
+        elif fingerprints:
+            r = self.by_prefix(fingerprints, exclude)
+            if r is not None:
+                self.counters.prefix_hits += 1
+                return r
         return self.replicas.least_loaded(exclude)
+
+    def by_prefix(self, fingerprints: list[str], exclude: set[str]) -> Replica | None:
+        """Among the replicas at most `BALANCE_SLACK` busier than the least loaded, the one that
+        served (by this router's table or its own published list) the longest run of
+        `fingerprints`; None when none served any."""
+        up = [r for r in self.replicas.healthy(exclude) if r.in_flight < OVERLOADED]
+        if not up:
+            return None
+        floor = min(r.load for r in up)
+        sent = {fp: url for fp in fingerprints if (url := self.prefixes.get(fp)) is not None}
+        best, best_n = None, 0
+        for r in sorted(up, key=lambda r: (r.load, r.requests)):
+            if r.load > floor + BALANCE_SLACK:
+                continue
+            mine = {fp for fp, url in sent.items() if url == r.url}
+            n = max(matched_chunks(fingerprints, r.prefixes), matched_chunks(fingerprints, mine))
+            if n > best_n:
+                best, best_n = r, n
+        return best
 
     # ---- ASGI ----
 
@@ -73,8 +115,11 @@ class Router:
                     timeout=httpx.Timeout(None, connect=2.0),
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
                 )
+                if self.registry is not None:
+                    with contextlib.suppress(Exception):  # the watch logs a registry that fails
+                        self.replicas.sync(await self.registry())
                 await self.replicas.poll(self.client)
-                self._watch = asyncio.create_task(self.replicas.watch(self.client))
+                self._watch = asyncio.create_task(self.replicas.watch(self.client, self.registry))
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
                 if self._watch is not None:
@@ -117,10 +162,12 @@ class Router:
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP]
         auth = next((v.decode("latin-1") for k, v in headers if k.lower() == b"authorization"), None)
         tenant = tenant_of(auth)
-        key = request_key(tenant, path, body)
+        data = parse_body(path, body) if scope["method"] == "POST" else None
+        key = request_key(tenant, path, data)
+        fingerprints = prefix_fingerprints(tenant, data) if key is None else []
         url_tail = path + ("?" + scope["query_string"].decode() if scope.get("query_string") else "")
         tried: set[str] = set()
-        replica = self.choose(key, tried)
+        replica = self.choose(key, fingerprints, tried)
         assert self.client is not None
         for attempt in range(2):
             if replica is None:
@@ -154,6 +201,9 @@ class Router:
                     continue
             try:
                 await self._relay(resp, replica, tenant, key, send)
+                if resp.status_code < 400:
+                    for fp in fingerprints:
+                        self.prefixes.put(fp, replica.url)
             finally:
                 replica.in_flight -= 1
                 await resp.aclose()
@@ -186,13 +236,25 @@ class Router:
         await send({"type": "http.response.body", "body": b""})
 
 
-def serve(host: str, port: int, urls: list[str]) -> int:
-    """Run the router until SIGINT/SIGTERM."""
+def serve(host: str, port: int, urls: list[str], redis_url: str | None = None, redis_prefix: str = "lc") -> int:
+    """Run the router until SIGINT/SIGTERM: in front of `urls` and, given `redis_url`, of the
+    replicas registered in that state Redis under `redis_prefix`."""
+    import functools
+
     import uvicorn
 
-    if not urls:
-        raise ValueError("longctx route needs at least one --replica URL")
-    config = uvicorn.Config(Router(urls), host=host, port=port, log_level="warning", lifespan="on")
-    log.info("routing %s on http://%s:%d to %s", "requests", host, port, ", ".join(urls))
+    from api.router import registry
+
+    if not urls and redis_url is None:
+        raise ValueError("longctx route needs a --replica URL or --replicas-from-redis")
+    reader: Registry | None = None
+    if redis_url is not None:
+        from kvstore.redis_connect import connect_async
+
+        client = connect_async(redis_url, socket_connect_timeout=2, socket_timeout=2)
+        reader = functools.partial(registry.read, client, redis_prefix)
+    config = uvicorn.Config(Router(urls, reader), host=host, port=port, log_level="warning", lifespan="on")
+    where = ", ".join(urls + ([f"the replicas registered in {redis_prefix}:{{replicas}}"] if reader else []))
+    log.info("routing requests on http://%s:%d to %s", host, port, where)
     uvicorn.Server(config).run()
     return 0

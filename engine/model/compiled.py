@@ -3,8 +3,9 @@
 
 Steps are padded to a static bucket of token counts (`BUCKETS`); steps with more tokens run the
 eager model. Each region is one compiled function shared by every layer (weights are inputs),
-so a model makes at most `regions x buckets` graphs, all compiled by `warm_up` at start. A
-recompile past that is an error, never a silent fall back to eager: `fail_on_recompile_limit_hit`.
+so a model makes at most `regions x buckets` graphs, compiled by `warm_up` (`serve`: in a
+background process, `engine/process/background_compile.py`; buckets in `pending` run eager until
+switched in). A recompile past that is an error, never a silent fall back to eager: `fail_on_recompile_limit_hit`.
 Graphs are cached by inductor's FX graph cache under `$LONGCTX_HOME/compile/inductor`, and each
 graph a layer is bound to is also kept in `$LONGCTX_HOME/compile/graphs` (`graph_store.py`), so a
 second start loads them without tracing.
@@ -105,6 +106,8 @@ class CompiledStep:
         # Buckets that run the eager model instead (their graphs failed the self-check,
         # `engine/verify/self_check.py`): bucket -> why.
         self.eager_buckets: dict[int, str] = {}
+        # Buckets that run eager until switched in (compiling in the background, then self-checked).
+        self.pending: set[int] = set()
         # Called after every region call with (bucket, layer, 0 = pre / 1 = post, args, outputs)
         # while set; steps then go region by region (the same graphs), never `_direct_layers`.
         self.observer: Callable[[int, int, int, tuple[Any, ...], Any], None] | None = None
@@ -120,7 +123,7 @@ class CompiledStep:
     ) -> torch.Tensor:
         T = input_ids.shape[0]
         bucket = bucket_for(T)
-        if bucket is None or bucket in self.eager_buckets:
+        if bucket is None or bucket in self.eager_buckets or bucket in self.pending:
             return self.model(input_ids, meta, kv_caches, backend, logits_indices, images)
         m = self.model
         pad = bucket - T

@@ -135,6 +135,10 @@ class EngineClient(Generates):
         self.host_bytes = 0
         self.channel = Histogram(CHANNEL_BUCKETS)
         self.info: EngineInfo | None = None
+        # The compiled step's report as the engine last sent it (None: eager, or not yet known);
+        # `compiled` is set once every bucket is settled (or the engine is gone).
+        self.compile_report: Any = None
+        self.compiled = threading.Event()
         self.admission: Admission | None = None
         self.tokenizer: Any = None
         self.store = None  # the tiers live in the engine process (`host_bytes` has their size)
@@ -171,10 +175,12 @@ class EngineClient(Generates):
         kv_redis_prefix: str,
         enable_prefix_caching: bool = True,
         check_buckets: list[int] | None = None,
+        background: bool = False,
     ) -> EngineInfo:
         """Build the engine (after `loaded`); returns what it reported, and admission opens.
-        `check_buckets`: the compiled step's buckets to compile and self-check (None: all)."""
-        self._send(wire.Build(kv_redis_url, kv_redis_prefix, enable_prefix_caching, check_buckets))
+        `check_buckets`: the compiled step's buckets to compile and self-check (None: all);
+        `background`: compile them while serving (`compiled` is set when all are settled)."""
+        self._send(wire.Build(kv_redis_url, kv_redis_prefix, enable_prefix_caching, check_buckets, background))
         info: EngineInfo = self.wait_phase("engine")
         self.info = info
         self.admission = Admission(
@@ -308,7 +314,11 @@ class EngineClient(Generates):
                         self._on_outputs(msg)
                     elif isinstance(msg, wire.Metrics):
                         self.stats.last, self._kv, self.host_bytes = msg.stats, msg.kv, msg.host_bytes
+                    elif isinstance(msg, wire.Compiled):
+                        self._on_compiled(pickle.loads(msg.payload))
                     elif isinstance(msg, wire.Started):
+                        if msg.phase == "compiled" and msg.error is None:
+                            self._on_compiled(pickle.loads(msg.payload))
                         with self._phase_cv:
                             self._phases[msg.phase] = msg
                             self._phase_cv.notify_all()
@@ -322,6 +332,7 @@ class EngineClient(Generates):
                         self._failed = msg.reason
                     elif isinstance(msg, wire.Stopped):
                         self._stopped.set()
+                        self.compiled.set()
                         return
                 elif self.proc.poll() is not None:
                     if self._from.poll(0):  # its last messages came in meanwhile
@@ -332,6 +343,11 @@ class EngineClient(Generates):
         except Exception as e:  # a decoding bug: nothing more can be trusted from the channel
             log.exception("engine channel failed")
             self._died(f"the engine channel failed: {e}")
+
+    def _on_compiled(self, report: Any) -> None:
+        self.compile_report = report
+        if report is None or report.done:
+            self.compiled.set()
 
     def _on_outputs(self, msg: wire.Outputs) -> None:
         self.channel.observe(max(0.0, time.monotonic() - msg.sent_at))
@@ -374,6 +390,7 @@ class EngineClient(Generates):
                 handle.push(RequestOutput(rid, [], "", None, reason, 0, 0, error))
 
     def _died(self, reason: str) -> None:
+        self.compiled.set()  # nothing more will compile: a waiter goes on
         if self._closing:
             self._stopped.set()
             return

@@ -10,8 +10,10 @@ load snapshot; counters and histograms follow every `METRICS_INTERVAL_S`.
 Startup, in order, each phase answered with `wire.Started`: `loaded` (the model; payload: the
 `LoadedModel` without its weights), then on `wire.Build` (sent once the API process knows the
 KV Redis URL) `engine` (payload: `EngineInfo`), then `compiled` (the compiled step's report, or
-None). A phase that fails answers with its error and the process exits 1. It also exits when
-its parent goes away (Linux's parent-death signal, and a check of the parent's pid). On
+None). With `Build.background` the buckets compile in the background (`background_compile.py`):
+`compiled` answers at once with every bucket pending, and a `wire.Compiled` follows each bucket
+the loop switches in. A phase that fails answers with its error and the process exits 1. It also
+exits when its parent goes away (Linux's parent-death signal, and a check of the parent's pid). On
 `wire.Shutdown` it ends every open request with `abort`, sends them, then `wire.Stopped`.
 
 Structured output: the request carries its grammar's key (`wire.GrammarSpec`); the matcher is
@@ -140,11 +142,13 @@ class CoreLoop:
     """The engine process once its engine is built: drain the inbox, step, send the outputs."""
 
     def __init__(
-        self, engine: Any, pull: Any, push: Any, grammar: Any, parent: int, waiter: _CommitWaiter | None = None
-    ):
+        self, engine: Any, pull: Any, push: Any, grammar: Any, parent: int, waiter: _CommitWaiter | None = None,
+        compiler: Any = None,
+    ):  # fmt: skip
         from engine.process import wire
 
         self.engine = engine
+        self.compiler = compiler  # a BackgroundCompile still switching buckets in, or None
         self.waiter = waiter
         self.pull, self.push = pull, push
         self.grammar = grammar  # compile(key) -> matcher, or None
@@ -253,6 +257,10 @@ class CoreLoop:
                 if not stepped and e.scheduler.loading:
                     time.sleep(0.001)
             self._send()
+            if self.compiler is not None and self.compiler.ready():  # one bucket per iteration
+                self.compiler.switch_in()
+                self.push.send(self.wire.encoder.encode(self.wire.Compiled(pickle.dumps(self.compiler.report))))
+                self.compiler = None if self.compiler.report.done else self.compiler
             now = time.monotonic()
             if now - self._parent_at > 1.0:
                 self._parent_at = now
@@ -351,17 +359,20 @@ def main(argv: list[str]) -> int:
         )  # fmt: skip
         started("engine", info)
         phase = "compiled"
-        report = None
+        report, compiler = None, None
         if spec.check_compiled:
-            from engine.model.compiled import CompiledStep
+            from engine.model.compiled import BUCKETS, CompiledStep
+            from engine.process.background_compile import BackgroundCompile
             from engine.verify.self_check import warm_up_and_check
 
             if isinstance(engine.runner.step, CompiledStep):
                 step, page = engine.runner.step, engine.kv_spec.page_size
-                if build.check_buckets is None:
-                    report = warm_up_and_check(step, page)
+                buckets = BUCKETS if build.check_buckets is None else tuple(build.check_buckets)
+                if build.background:
+                    compiler = BackgroundCompile(step, page, buckets, spec_path)
+                    report = compiler.report
                 else:
-                    report = warm_up_and_check(step, page, tuple(build.check_buckets))
+                    report = warm_up_and_check(step, page, buckets)
         started("compiled", report)
     except Exception as e:
         from engine.loading.model_source import ModelNotFound
@@ -380,10 +391,12 @@ def main(argv: list[str]) -> int:
     # A sharded engine's commit wait is a collective: it runs on the loop's thread, between steps.
     waiter = _CommitWaiter(engine, ctx, out_addr) if config.kv_redis_url and not parallel.sharded else None
     try:
-        CoreLoop(engine, pull, push, grammar, parent, waiter).run()
+        CoreLoop(engine, pull, push, grammar, parent, waiter, compiler).run()
     finally:
         if waiter is not None:
             waiter.close()
+        if compiler is not None:
+            compiler.close()
         ranks.stop_workers(runner, parallel, watchdog)
     push.close(linger=5000)
     pull.close()

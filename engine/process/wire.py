@@ -104,6 +104,7 @@ class Build(msgspec.Struct, tag="build", array_like=True):
     kv_redis_prefix: str = "lc:kv"
     enable_prefix_caching: bool = True
     check_buckets: list[int] | None = None  # the compiled step's buckets to check (None: every one)
+    background: bool = False  # compile them in the background while serving (else before `compiled`)
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
@@ -150,6 +151,13 @@ class Started(msgspec.Struct, tag="started", array_like=True):
     bad_input: bool = False  # the error is the model or its options (not found, unsupported), not a crash
 
 
+class Compiled(msgspec.Struct, tag="compiled", array_like=True):
+    """A bucket compiled in the background was switched in (or left eager): the compiled step's
+    `CompileReport` as it is now, pickled."""
+
+    payload: bytes
+
+
 class Stopped(msgspec.Struct, tag="stopped", array_like=True):
     """The engine process ended every request and is exiting."""
 
@@ -165,7 +173,7 @@ class CommitDone(msgspec.Struct, tag="commit_done", array_like=True):
     written: bool  # every page queued before the wait reached Redis (False: the rest are marked pending)
 
 
-FromEngine = Outputs | Metrics | Started | Stopped | CommitDone | Failed
+FromEngine = Outputs | Metrics | Started | Stopped | CommitDone | Compiled | Failed
 
 encoder = msgspec.msgpack.Encoder()
 to_engine = msgspec.msgpack.Decoder(ToEngine)

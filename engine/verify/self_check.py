@@ -1,8 +1,9 @@
 """The compiled step's self-check: every compiled bucket against the eager modules on one fixed
 input, before it serves.
 
-It runs once per bucket at start-up (`longctx serve`'s compile phase; `longctx generate` for the
-buckets it will use): a prefill of `bucket` fixed tokens through the compiled step and through
+It runs once per bucket before the bucket serves (`longctx serve`: as each bucket's graphs arrive
+from the background compiler, `engine/process/background_compile.py`; `longctx generate`: at
+start, for the buckets it will use): a prefill of `bucket` fixed tokens through the compiled step and through
 the eager model, each over a scratch KV cache, and compares the logits (relative error against
 `bounds.compiled_bound`). While it runs, each region call is also recomputed by the region's
 plain function on the same arguments, so a failing bucket names its worst region and layer. A
@@ -56,10 +57,40 @@ class CompileReport:
     check_s: float = 0.0
     checks: list[BucketCheck] = field(default_factory=list)
     eager: dict[int, str] = field(default_factory=dict)
+    # Buckets compiling in the background (`engine/process/background_compile.py`): eager until
+    # their graphs are stored and checked.
+    pending: list[int] = field(default_factory=list)
 
     @property
     def compiled_buckets(self) -> list[int]:
-        return [c.bucket for c in self.checks if c.ok]
+        return sorted(c.bucket for c in self.checks if c.ok)
+
+    @property
+    def done(self) -> bool:
+        """Every bucket is settled: compiled, or eager for a reason in `eager`."""
+        return not self.pending
+
+    def add(self, step: CompiledStep, check: BucketCheck) -> None:
+        """Record `check`; a bucket over its bound runs eager from now on (logged as an ERROR)."""
+        self.checks.append(check)
+        if not check.ok:
+            why = f"logits error {check.error:.2e} > {check.bound:.0e}; worst {check.region} ({check.region_error:.2e})"
+            self.fail(step, check.bucket, why)
+
+    def fail(self, step: CompiledStep, bucket: int, why: str) -> None:
+        """`bucket` runs eager from now on, for `why`."""
+        step.eager_buckets[bucket] = self.eager[bucket] = why
+        log.error("compiled step bucket %d fails its self-check (%s): running it eager", bucket, why)
+
+    def log_summary(self) -> None:
+        worst = max(self.checks, key=lambda c: c.error / c.bound, default=None)
+        largest = ""
+        if worst is not None:
+            largest = f"; largest logits error {worst.error:.1e} (bucket {worst.bucket}, bound {worst.bound:.0e})"
+        log.info(
+            "self-checked %d compiled buckets in %.2fs: %d eager%s",
+            len(self.checks), self.check_s, len(self.eager), largest,
+        )  # fmt: skip
 
 
 def _ids(bucket: int, vocab: int) -> torch.Tensor:
@@ -118,26 +149,20 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return flat
 
 
+def safe_check(step: CompiledStep, bucket: int, page_size: int) -> BucketCheck:
+    """`check_bucket`, a graph that raises counting as one that fails its check."""
+    try:
+        return check_bucket(step, bucket, page_size)
+    except Exception as e:
+        return BucketCheck(bucket, float("inf"), compiled_bound(step.model.model.norm.weight.dtype), str(e), 0.0)
+
+
 def warm_up_and_check(step: CompiledStep, page_size: int, buckets: tuple[int, ...] = BUCKETS) -> CompileReport:
     """Compile (or load) `buckets`' graphs, then check each; a bucket over its bound runs eager."""
     report = CompileReport(compile_s=step.warm_up(page_size, buckets))
     t0 = time.perf_counter()
     for bucket in buckets:
-        try:
-            check = check_bucket(step, bucket, page_size)
-        except Exception as e:  # a graph that raises is a graph that fails its check
-            check = BucketCheck(bucket, float("inf"), compiled_bound(step.model.model.norm.weight.dtype), str(e), 0.0)
-        report.checks.append(check)
-        if not check.ok:
-            why = f"logits error {check.error:.2e} > {check.bound:.0e}; worst {check.region} ({check.region_error:.2e})"
-            step.eager_buckets[bucket] = why
-            log.error("compiled step bucket %d fails its self-check (%s): running it eager", bucket, why)
+        report.add(step, safe_check(step, bucket, page_size))
     report.check_s = time.perf_counter() - t0
-    report.eager = dict(step.eager_buckets)
-    worst = max(report.checks, key=lambda c: c.error / c.bound, default=None)
-    log.info(
-        "self-checked %d compiled buckets in %.2fs: %d eager%s",
-        len(buckets), report.check_s, len(report.eager),
-        f"; largest logits error {worst.error:.1e} (bucket {worst.bucket}, bound {worst.bound:.0e})" if worst else "",
-    )  # fmt: skip
+    report.log_summary()
     return report
