@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import Any
 
 import msgspec
@@ -75,6 +76,7 @@ class SessionService:
         self.config = config = config or ServiceConfig()
         self.waiting: WaitingGate | None = None  # the server's per-tenant count of waiting requests
         self.running: dict[str, Turn] = {}
+        self.stateless_running: weakref.WeakSet[Generation] = weakref.WeakSet()  # Chat Completions
         self.conversations = ConversationAPI(store)
         self.fitter = PromptFitter(engine, store, tokenizer, TokenCache(store.client, store.config.prefix))
         marker = image_processor.marker if image_processor is not None else None
@@ -163,6 +165,7 @@ class SessionService:
         except BaseException:
             generation.release()
             raise
+        self.stateless_running.add(generation)
         return generation
 
     async def _enqueue(self, plan: TurnPlan, undo: Undo, stream: bool) -> Response | ResponseEvents:
@@ -200,12 +203,16 @@ class SessionService:
 
     async def stop_foreground(self, timeout_s: float) -> int:
         """The server stops: every foreground turn running here is stopped and commits `incomplete`
-        (once, reason `server_shutdown`); waits up to `timeout_s` for those commits. Background
+        (once, reason `server_shutdown`), and every stateless one (Chat Completions) is aborted, so
+        that its stream ends with a finish reason; waits up to `timeout_s` for those commits. Background
         turns are left to their workers (`sessions.tasks`), which hand their jobs back. Returns
         how many turns were stopped."""
         turns = [t for t in self.running.values() if not t.plan.response.background]
         for turn in turns:
             turn.stop("shutdown")
+        for generation in list(self.stateless_running):  # their readers end with the engine's last output
+            if generation.handle is not None and not generation.handle.done:
+                generation.abort()
         tasks = [t.task for t in turns if t.task is not None and not t.task.done()]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
