@@ -93,7 +93,7 @@ def test_cli_image_errors(idefics3: TinyVLM, tmp_path: Path) -> None:
     """What `--image` refuses, in the words the CLI prints (`longctx: error: ...`)."""
     import argparse
 
-    from api.cli import _image_prompt
+    from api.generate import image_prompt
     from engine.loading.images import BadImage
     from engine.loading.model_source import ModelPath
 
@@ -101,16 +101,16 @@ def test_cli_image_errors(idefics3: TinyVLM, tmp_path: Path) -> None:
     loaded = argparse.Namespace(config=t.config, source=ModelPath("safetensors", t.path, "tiny"), tokenizer=None)
     args = argparse.Namespace(prompt="hi", chat=False, tools=None, json_schema=None, image=[tmp_path / "missing.png"])
     with pytest.raises(ValueError, match=r"--image .*missing\.png: cannot read the file"):
-        _image_prompt(args, loaded)
+        image_prompt(args, loaded)
     (tmp_path / "bad.png").write_bytes(b"not a picture")
     args.image = [tmp_path / "bad.png"]
     with pytest.raises(BadImage, match="not a readable image"):
-        _image_prompt(args, loaded)
+        image_prompt(args, loaded)
     args.image, args.prompt = [tmp_path / "bad.png"] * 2, f"one {t.processor.marker} marker"
     with pytest.raises(ValueError, match="1 image markers"):
-        _image_prompt(args, loaded)
+        image_prompt(args, loaded)
     text = argparse.Namespace(
         config=argparse.Namespace(vision=None, architecture="LlamaForCausalLM"), source=loaded.source
     )
     with pytest.raises(ValueError, match="takes no image input"):
-        _image_prompt(args, text)
+        image_prompt(args, text)
