@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -172,15 +173,22 @@ def test_write_behind_does_not_wait_for_a_paused_redis(tiny: tuple[TinyModel, st
     with private_redis() as url:
         admin = redis.Redis.from_url(url)
         e = _engine(tiny, url, "kv")
-        admin.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
-        logits, _, _ = first_logits(e, prompt)
-        assert _still_paused(url)  # the step ended while its pages could not be written
         assert e.store is not None and e.store.redis is not None
-        assert admin.dbsize() == 0 and e.store.redis.counters.written == 0  # nothing landed yet
+        t0 = time.monotonic()
+        first_logits(e, _prompt(tiny, 90, seed=30))  # the same work with Redis answering
+        free_s = time.monotonic() - t0
+        assert e.store.redis.flush(10) and admin.dbsize() == 5
+        admin.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+        t0 = time.monotonic()
+        logits, _, _ = first_logits(e, prompt)
+        paused_s = time.monotonic() - t0
+        assert _still_paused(url)  # the step ended while its pages could not be written
+        assert paused_s < 5 * free_s, (paused_s, free_s)  # ... and took as long as with Redis answering
+        assert admin.dbsize() == 5 and e.store.redis.counters.written == 5  # nothing landed yet
         assert e.store.redis.counters.write_failures == 0  # nor was given up on
         admin.execute_command("CLIENT", "UNPAUSE")
         assert e.store.redis.flush(10)
-        assert admin.dbsize() == 5 and e.store.redis.counters.written == 5
+        assert admin.dbsize() == 10 and e.store.redis.counters.written == 10
         assert e.store.redis.counters.write_failures == 0
         assert _err(logits, _fresh_logits(tiny, prompt)) < 1e-5
         e.shutdown()
