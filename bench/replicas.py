@@ -7,8 +7,10 @@ client threads, turn by turn, in three passes over fresh conversations of the sa
 `longctx route`; (c) routed, with one replica SIGKILLed before turn 3 (the moved conversations
 go on elsewhere). Reported per pass: TTFT p50/p95 of the later turns, cached fraction per turn
 (`usage.input_tokens_details.cached_tokens / input_tokens`), bytes the KV Redis sent
-(`total_net_output_bytes`), failed turns; for (c) the TTFT of the moved conversations' turns
-after the kill. Agreement: the share of turns whose greedy output is the same text in (a) and
+(`total_net_output_bytes`), failed turns, the p95 of each turn's end (from its last text delta
+to `response.completed`: the KV commit wait and the commit); for (c) the TTFT of the moved
+conversations' turns after the kill. The router finds the replicas in the registry they publish
+(`--replicas-from-redis`). Agreement: the share of turns whose greedy output is the same text in (a) and
 (b) (a speed figure counts only beside it). Prints a table and writes
 bench/results/replicas.json.
 
@@ -53,6 +55,7 @@ def turn(base: str, conv: str, text: str, max_tokens: int) -> dict[str, Any]:
             "max_output_tokens": max_tokens}  # fmt: skip
     t0 = time.perf_counter()
     ttft = None
+    last_delta = t0
     final: dict[str, Any] | None = None
     with httpx.stream("POST", base + "/v1/responses", json=body, timeout=600) as r:
         if r.status_code != 200:
@@ -62,16 +65,20 @@ def turn(base: str, conv: str, text: str, max_tokens: int) -> dict[str, Any]:
             if not line.startswith("data: "):
                 continue
             event = json.loads(line[6:])
-            if event["type"] == "response.output_text.delta" and ttft is None:
-                ttft = time.perf_counter() - t0
+            if event["type"] == "response.output_text.delta":
+                last_delta = time.perf_counter()
+                if ttft is None:
+                    ttft = last_delta - t0
             elif event["type"] in ("response.completed", "response.incomplete", "response.failed", "error"):
                 final = event.get("response")
+                end_s = time.perf_counter() - last_delta
     if final is None or final.get("status") == "failed":
         return {"error": "no final response", "replica": replica}
     usage = final["usage"]
     text = "".join(p.get("text", "") for item in final["output"] if item["type"] == "message" for p in item["content"])
+    cached = usage["input_tokens_details"]["cached_tokens"] / usage["input_tokens"]
     return {"ttft_s": ttft if ttft is not None else time.perf_counter() - t0, "replica": replica, "text": text,
-            "cached": usage["input_tokens_details"]["cached_tokens"] / usage["input_tokens"]}  # fmt: skip
+            "cached": cached, "end_s": end_s}  # fmt: skip
 
 
 def redis_sent(url: str) -> int:
@@ -109,6 +116,7 @@ def run_pass(name: str, targets: list[str], a: argparse.Namespace, kill: Any = N
         "failed": sum("error" in r for rs in results for r in rs),
         "ttft_p50_s": pct([r["ttft_s"] for r in later], 0.5),
         "ttft_p95_s": pct([r["ttft_s"] for r in later], 0.95),
+        "turn_end_p95_s": pct([r["end_s"] for rs in results for r in rs if "error" not in r], 0.95),
         "cached_by_turn": [
             round(min((rs[t]["cached"] for rs in results if len(rs) > t and "error" not in rs[t]), default=0), 3)
             for t in range(a.turns)
@@ -158,18 +166,20 @@ def main() -> None:
         with ThreadPoolExecutor(a.replicas) as pool:
             servers = list(pool.map(start, range(a.replicas)))
         port = free_port()
-        cmd = [sys.executable, "-m", "api.cli", "route", "--port", str(port)]
-        cmd += [x for s in servers for x in ("--replica", s.url)]
+        cmd = [sys.executable, "-m", "api.cli", "route", "--port", str(port), "--replicas-from-redis",
+               "--redis-url", url, "--redis-prefix", "bench"]  # fmt: skip
         router = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         base = f"http://127.0.0.1:{port}"
         import httpx
 
         while True:
             try:
-                if httpx.get(base + "/ready", timeout=1).status_code == 200:
+                r = httpx.get(base + "/ready", timeout=1)
+                if r.status_code == 200 and r.json()["replicas_up"] == a.replicas:
                     break
             except httpx.HTTPError:
-                time.sleep(0.1)
+                pass
+            time.sleep(0.1)
         try:
             passes = []
             for name, targets, kill in (("random", [s.url for s in servers], None), ("routed", [base], None),
@@ -206,10 +216,12 @@ def main() -> None:
     out["passes"] = passes
     print(f"\n{a.replicas} replicas x {a.convs} conversations x {a.turns} turns; agreement random vs routed "
           f"{out['agreement']:.0%}")  # fmt: skip
-    print(f"{'pass':32} {'failed':>6} {'TTFT p50':>9} {'p95':>7} {'Redis MB':>9}  min cached by turn / mean")
+    head = f"{'pass':32} {'failed':>6} {'TTFT p50':>9} {'p95':>7} {'end p95':>8} {'Redis MB':>9}"
+    print(head + "  min cached by turn / mean")
     for p in passes:
-        print(f"{p['pass']:32} {p['failed']:>6} {p['ttft_p50_s']:>8.3f}s {p['ttft_p95_s']:>6.3f}s "
-              f"{p['redis_sent_mb']:>9}  {p['cached_by_turn']} / {p['cached_mean_by_turn']}")  # fmt: skip
+        row = f"{p['pass']:32} {p['failed']:>6} {p['ttft_p50_s']:>8.3f}s {p['ttft_p95_s']:>6.3f}s"
+        row += f" {p['turn_end_p95_s']:>7.3f}s {p['redis_sent_mb']:>9}"
+        print(f"{row}  {p['cached_by_turn']} / {p['cached_mean_by_turn']}")
     k = passes[2]
     print(f"killed {k['killed']}: {k['moved_convs']} conversations moved, their TTFT after: p50 "
           f"{k['moved_ttft_p50_s']}, max {k['moved_ttft_max_s']}")  # fmt: skip
