@@ -33,6 +33,22 @@ def _read_json(path: Path, flag: str) -> Any:
         raise ValueError(f"{flag}: cannot read {path}: {e}") from e
 
 
+def check_files(args: argparse.Namespace) -> None:
+    """Read `--json-schema` and `--tools` and validate the tools' definitions before any model
+    loads: a wrong file is a start-up error naming it at once. Whether the grammar engine can
+    express them is checked later, with the tokenizer (`StructuredRun.from_args`).
+
+    Raises:
+        ValueError: naming the flag and the file, or the tool and field at fault.
+    """
+    from tools.schema import parse_tools
+
+    if args.json_schema is not None:
+        _read_json(args.json_schema, "--json-schema")
+    if args.tools is not None:
+        parse_tools(_read_json(args.tools, "--tools"))
+
+
 @dataclass
 class StructuredRun:
     prompt_ids: list[int]

@@ -106,6 +106,9 @@ def _stream(handle: Any, structured: Any) -> int:
 def generate(args: argparse.Namespace) -> int:
     """`longctx generate`: through the engine process, as `serve` runs it (tensor-parallel runs
     keep the engine in this process, its ranks beside it)."""
+    from api.cli_tools import check_files
+
+    check_files(args)  # a wrong --tools / --json-schema file fails before the model loads
     if args.tensor_parallel_size > 1 or args.expert_parallel:
         return _generate_in_process(args)
     from api.model_load import core_spec, engine_wait_policy, placement

@@ -130,6 +130,7 @@ def test_generate_with_tools_and_json_schema(tmp_path: Path, demo_gguf: Path) ->
     tools.write_text(json.dumps(bad))
     out = _longctx("--model", "smollm2-135m-instruct", "--chat", "--prompt", "hi", "--tools", str(tools))
     assert out.returncode == 2 and "oops" in out.stderr and "Traceback" not in out.stderr
+    assert "loaded" not in out.stderr  # refused before the model loads
 
 
 def test_kv_tier_flags() -> None:
