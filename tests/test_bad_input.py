@@ -258,7 +258,7 @@ def snapshot(url: str, prefix: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for raw in r.scan_iter(match=f"{prefix}:*", count=1000):
         key = raw.decode()
-        if key.endswith(COUNTERS):
+        if key.endswith(COUNTERS) or ":{replicas}:" in key:  # the replica registry: refreshed every second
             continue
         kind = cast(bytes, r.type(key)).decode()
         if kind == "string":

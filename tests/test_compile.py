@@ -64,6 +64,9 @@ def graph_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _setup(request: pytest.FixtureRequest, graph_dir: Path) -> Iterator[None]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    # dynamo's caches live on code objects: a module run earlier in this process (xdist worker)
+    # may have traced the same regions, and this module counts the graphs it traces itself
+    torch._dynamo.reset()
     configure(Path(request.config.cache.mkdir("longctx-compile")), graph_dir)
     prepare()
     yield
