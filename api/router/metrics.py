@@ -4,9 +4,10 @@ overloaded, or a connection to it failed), 429 retries."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from api.router.replicas import Replicas
+from api.router.replicas import Replica, Replicas
 
 
 @dataclass
@@ -31,29 +32,16 @@ def render(c: RouterCounters, replicas: Replicas) -> str:
     ):
         lines += [f"# HELP longctx_router_{name}_total {help_}", f"# TYPE longctx_router_{name}_total counter"]
         lines.append(f"longctx_router_{name}_total {value}")
-    lines += [
-        "# HELP longctx_router_requests_total requests sent to each replica",
-        "# TYPE longctx_router_requests_total counter",
-    ]
-    lines += [f'longctx_router_requests_total{{replica="{r.url}"}} {r.requests}' for r in replicas.all]
-    lines += [
-        "# HELP longctx_router_replica_up whether the replica is in rotation",
-        "# TYPE longctx_router_replica_up gauge",
-    ]
-    lines += [f'longctx_router_replica_up{{replica="{r.url}"}} {int(r.healthy)}' for r in replicas.all]
-    lines += [
-        "# HELP longctx_router_in_flight requests in flight on each replica",
-        "# TYPE longctx_router_in_flight gauge",
-    ]
-    lines += [f'longctx_router_in_flight{{replica="{r.url}"}} {r.in_flight}' for r in replicas.all]
-    lines += [
-        "# HELP longctx_router_published_keys affinity keys the replica published as served lately (registry)",
-        "# TYPE longctx_router_published_keys gauge",
-    ]
-    lines += [f'longctx_router_published_keys{{replica="{r.url}"}} {len(r.keys)}' for r in replicas.all]
-    lines += [
-        "# HELP longctx_router_published_prefixes prompt-prefix fingerprints the replica published (registry)",
-        "# TYPE longctx_router_published_prefixes gauge",
-    ]
-    lines += [f'longctx_router_published_prefixes{{replica="{r.url}"}} {len(r.prefixes)}' for r in replicas.all]
+    per_replica: tuple[tuple[str, str, str, Callable[[Replica], int]], ...] = (
+        ("requests_total", "counter", "requests sent to each replica", lambda r: r.requests),
+        ("replica_up", "gauge", "whether the replica is in rotation", lambda r: int(r.healthy)),
+        ("in_flight", "gauge", "requests in flight on each replica", lambda r: r.in_flight),
+        ("published_keys", "gauge", "affinity keys the replica published as served lately (registry)",
+         lambda r: len(r.keys)),
+        ("published_prefixes", "gauge", "prompt-prefix fingerprints the replica published (registry)",
+         lambda r: len(r.prefixes)),
+    )  # fmt: skip
+    for series, kind, text, of in per_replica:
+        lines += [f"# HELP longctx_router_{series} {text}", f"# TYPE longctx_router_{series} {kind}"]
+        lines += [f'longctx_router_{series}{{replica="{r.url}"}} {of(r)}' for r in replicas.all]
     return "\n".join(lines) + "\n"
