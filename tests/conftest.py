@@ -9,14 +9,31 @@ import pytest
 
 from engine.attention import cpu_kernel
 from engine.loading.loader import LoadedModel, load
-from engine.loading.model_source import pull_demo
+from engine.loading.model_source import longctx_home, pull_demo
+from tests.cores import THREADS
+
+KERNELS = longctx_home() / "kernels"  # the CPU kernels' build, shared by every process of the run
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _decode_kernel(request: pytest.FixtureRequest) -> None:
-    """The CPU attention kernels (decode and prefill), built once into the pytest cache (a few
-    seconds the first time): every backend of the session uses them, as the engine does."""
-    cpu_kernel.load(Path(request.config.cache.mkdir("longctx-kernels")))
+def _threads() -> None:
+    """Each engine's threads (`tests.cores`): this worker's torch, and every subprocess that does
+    not pass its own `--threads`."""
+    import os
+
+    import torch
+
+    torch.set_num_threads(THREADS)
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _decode_kernel() -> None:
+    """The CPU kernels (attention, bf16 linears), built once where the servers the tests start
+    build them (`$LONGCTX_HOME/kernels`; about a minute on 2 idle cores, the workers and servers
+    that start meanwhile wait for that one build): every backend of the session uses them, as the
+    engine does."""
+    cpu_kernel.load(KERNELS)
 
 
 @pytest.fixture(scope="session")

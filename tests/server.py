@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.cores import THREADS_ARG
 from tests.redis_server import delete_prefix, shared_redis, unique_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,7 +168,7 @@ def running_server(
 def demo_args(kv_cache_bytes: str, background_workers: int) -> tuple[str, ...]:
     """`serve` flags of the session-layer tests on the demo model: float32 (texts are compared), 2
     threads, and the name `demo` their clients ask for."""
-    return ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", kv_cache_bytes,
+    return ("--dtype", "float32", "--threads", THREADS_ARG, "--kv-cache-bytes", kv_cache_bytes,
             "--background-workers", str(background_workers), "--served-model-name", "demo")  # fmt: skip
 
 

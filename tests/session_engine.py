@@ -15,6 +15,7 @@ from sessions.event_stream import ResponseEvents
 from sessions.models import Response
 from sessions.service import SessionService
 from sessions.store import SessionStore, StoreConfig
+from tests.cores import THREADS
 from tests.redis_server import shared_redis
 from tools.formats import detect_format
 from tools.grammar import GrammarCompiler, XGrammarHook
@@ -28,7 +29,7 @@ PAGE = 16
 def engine(demo_float32: LoadedModel) -> Iterator[Engine]:
     lm = demo_float32
     kv_bytes = 256 * PAGE * 46_080  # 4096 tokens of float32 KV
-    config = EngineConfig(kv_cache_bytes=kv_bytes, page_size=PAGE, attention_backend="torch_paged", threads=2)
+    config = EngineConfig(kv_cache_bytes=kv_bytes, page_size=PAGE, attention_backend="torch_paged", threads=THREADS)
     eng = Engine(lm.model, lm.tokenizer, config, grammar_hook=XGrammarHook(max_threads=1)).start()
     yield eng
     eng.shutdown()

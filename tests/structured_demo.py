@@ -17,6 +17,7 @@ from engine.engine import Engine, EngineConfig
 from engine.loading.loader import LoadedModel, load
 from engine.loading.model_source import ModelPath
 from engine.loading.tokenizer import Tokenizer
+from tests.cores import THREADS
 from tools.grammar import GrammarCompiler, XGrammarHook
 
 DEMO_VOCAB = 49152  # SmolLM2's vocab size = its logits width
@@ -25,7 +26,7 @@ SCHEMAS: dict[str, dict[str, Any]] = json.loads((Path(__file__).parent / "data" 
 
 @functools.cache
 def demo_bf16(path: str) -> LoadedModel:
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     return load(path, dtype="bfloat16", progress=False)
 
 
@@ -37,7 +38,7 @@ def compiler(path: str) -> GrammarCompiler:
 
 
 def engine(lm: LoadedModel, max_num_seqs: int = 96) -> Engine:
-    cfg = EngineConfig(kv_cache_bytes=3 << 29, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, threads=2)
+    cfg = EngineConfig(kv_cache_bytes=3 << 29, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, threads=THREADS)
     return Engine(lm.model, lm.tokenizer, cfg, grammar_hook=XGrammarHook(max_threads=2))
 
 

@@ -18,6 +18,7 @@ import pytest
 from websockets.sync.client import connect
 
 from engine.loading.gguf_cache import GGUFCache
+from tests.cores import THREADS_ARG
 from tests.server import TEST_KEY, Server, keyed_server
 
 pytestmark = pytest.mark.slow
@@ -25,8 +26,8 @@ pytestmark = pytest.mark.slow
 DATA = Path(__file__).parent / "data" / "codex"
 YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
         "max_position_embeddings": 32768}  # fmt: skip
-ARGS = ("--threads", "2", "--kv-cache-bytes", "768MiB", "--max-output-tokens", "40", "--background-workers", "1",
-        "--served-model-name", "demo", "--hf-overrides", json.dumps(YARN),
+ARGS = ("--threads", THREADS_ARG, "--kv-cache-bytes", "768MiB", "--max-output-tokens", "40",
+        "--background-workers", "1", "--served-model-name", "demo", "--hf-overrides", json.dumps(YARN),
         "--override-generation-config", '{"temperature": 0}')  # fmt: skip
 GREEDY: dict[str, Any] = {"temperature": 0, "max_output_tokens": 12}
 ENDED = ("response.completed", "response.incomplete")  # a reply may reach the output cap

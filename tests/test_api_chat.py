@@ -25,11 +25,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
+from tests.cores import THREADS_ARG
 from tests.redis_server import shared_redis
 from tests.server import Server, running_server, wait_compiled
 
 ARGS = (
-    "--compile", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "0",
+    "--compile", "--threads", THREADS_ARG, "--kv-cache-bytes", "256MiB", "--background-workers", "0",
     "--max-num-seqs", "1", "--max-queued", "1", "--shutdown-grace-s", "5",
 )  # fmt: skip
 WEATHER: Any = {

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine.engine_config import EngineConfig
+from engine.loading.model_source import longctx_home
 from engine.model.compile_setup import compile_available
 from engine.process.client import EngineClient
 from engine.process.main import LoadSpec
@@ -30,11 +31,12 @@ WAIT_S = 600.0  # a cold compile of three graphs on 2 busy cores
 
 @pytest.fixture(scope="module")
 def home(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A fresh LONGCTX_HOME: an empty graph store; inductor's cache and the kernels from the pytest cache."""
+    """A fresh LONGCTX_HOME: an empty graph store; inductor's cache from the pytest cache, the
+    kernels of the run."""
     home = tmp_path_factory.mktemp("home")
     (home / "compile").mkdir()
     (home / "compile" / "inductor").symlink_to(request.config.cache.mkdir("longctx-bg-inductor"))
-    (home / "kernels").symlink_to(request.config.cache.mkdir("longctx-bg-kernels"))
+    (home / "kernels").symlink_to(longctx_home() / "kernels")  # the run's one build (tests/conftest.py)
     before = os.environ.get("LONGCTX_HOME")
     os.environ["LONGCTX_HOME"] = str(home)  # the engine process inherits it, and its compiler
     yield home

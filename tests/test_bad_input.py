@@ -21,6 +21,7 @@ import openai
 import pytest
 import redis
 
+from tests.cores import THREADS_ARG
 from tests.openapi_checks import check_schemas_typed, run_schemathesis
 from tests.redis_server import shared_redis
 from tests.server import Server, running_server
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 KEYS = "key-a tenant-a\nkey-b tenant-b\n"
 ARGS = (
-    "--threads", "2", "--kv-cache-bytes", "64MiB", "--background-workers", "0", "--served-model-name", "demo",
+    "--threads", THREADS_ARG, "--kv-cache-bytes", "64MiB", "--background-workers", "0", "--served-model-name", "demo",
     "--max-model-len", "1024", "--max-body-bytes", "16KiB", "--max-output-tokens", "4", "--kv-redis-url", "none",
     "--hosted-tools", "reject",
 )  # fmt: skip

@@ -20,11 +20,12 @@ from sessions.ids import new_id, slot_tag
 from sessions.items import Item, Message, OutputText, parse_item
 from sessions.models import ConversationRef, Response
 from sessions.store import SessionStore
+from tests.cores import THREADS_ARG
 from tests.redis_cluster import LocalCluster, local_cluster
 from tests.redis_server import shared_redis, unique_prefix
 from tests.server import TEST_KEY, keys_args, start_server
 
-ARGS = ("--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "64MiB", "--background-workers", "1",
+ARGS = ("--dtype", "float32", "--threads", THREADS_ARG, "--kv-cache-bytes", "64MiB", "--background-workers", "1",
         "--served-model-name", "demo")  # fmt: skip
 NOTES = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(12))
 

@@ -26,6 +26,7 @@ from typing import Any, cast
 import pytest
 
 from api.managed_redis import INSTALL_HINT, ManagedRedis, state_args
+from engine.loading.model_source import longctx_home
 from tests.redis_process import restartable_redis
 from tests.redis_server import shared_redis
 from tests.server import ROOT, Server, free_port, http_get, running_server, serve_command, start_server
@@ -53,6 +54,9 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def home() -> Iterator[Path]:
     """A temporary LONGCTX_HOME; fails the test if a managed redis-server outlives it."""
     with tempfile.TemporaryDirectory(prefix="lc-", dir="/tmp") as tmp:
+        for shared in ("kernels", "compile"):  # built once per run, in the default home
+            (longctx_home() / shared).mkdir(parents=True, exist_ok=True)
+            Path(tmp, shared).symlink_to(longctx_home() / shared)
         yield Path(tmp)
         leftover = [p for p in Path(tmp, "redis").glob("*.pid") if _pid_alive(int(p.read_text()))]
         for p in leftover:

@@ -21,12 +21,13 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from sessions.keys import Keys
+from tests.cores import THREADS_ARG
 from tests.redis_server import delete_prefix, shared_redis, unique_prefix
 from tests.server import TEST_KEY, Server, keys_args, start_server
 
 GRACE_S = 6  # foreground turns are stopped 3 s before its end
 ARGS = (
-    "--dtype", "float32", "--threads", "2", "--kv-cache-bytes", "256MiB", "--background-workers", "1",
+    "--dtype", "float32", "--threads", THREADS_ARG, "--kv-cache-bytes", "256MiB", "--background-workers", "1",
     "--shutdown-grace-s", str(GRACE_S), "--served-model-name", "demo",
 )  # fmt: skip
 COUNT = "Count from 1 to 600, separated by commas."

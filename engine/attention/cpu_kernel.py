@@ -12,6 +12,7 @@ attention uses the SDPA path.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -103,6 +104,23 @@ def _command(cxx: str, out: Path) -> list[str]:
     return [*cmd, "-lc10", "-ltorch_cpu", "-lgomp"]
 
 
+def _build(cxx: str, so: Path) -> None:
+    """Build `so`, once among concurrent starts on one build directory (replicas or ranks starting
+    together, test workers): the first takes the directory's lock and builds, the others wait for
+    it and find the file."""
+    so.parent.mkdir(parents=True, exist_ok=True)
+    with open(so.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if so.exists():
+            return
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
+            partial = Path(tmp) / so.name
+            subprocess.run(_command(cxx, partial), check=True, capture_output=True, text=True, timeout=600)
+            partial.replace(so)  # atomic: a start without the lock sees a whole file or none
+        log.info("built the attention kernels in %.1fs", time.perf_counter() - t0)
+
+
 def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
     """`torch.ops.longctx.paged_decode`, built under `build_dir` if needed; None if it cannot be."""
     global _op, _store, _prefill, _linear_bf16, _linear_int8, _linear_bf16_f32, _linear_int8_f32, _failed
@@ -122,13 +140,7 @@ def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
         so = build_dir / f"paged_decode-{digest.hexdigest()[:16]}.so"
         try:
             if not so.exists():
-                build_dir.mkdir(parents=True, exist_ok=True)
-                t0 = time.perf_counter()
-                with tempfile.TemporaryDirectory(dir=build_dir) as tmp:
-                    partial = Path(tmp) / so.name
-                    subprocess.run(_command(cxx, partial), check=True, capture_output=True, text=True, timeout=600)
-                    partial.replace(so)  # atomic: a concurrent start sees a whole file or none
-                log.info("built the attention kernels in %.1fs", time.perf_counter() - t0)
+                _build(cxx, so)
             torch.ops.load_library(str(so))
         except (OSError, subprocess.SubprocessError, RuntimeError) as e:
             detail = e.stderr.strip().splitlines()[-1:] if isinstance(e, subprocess.CalledProcessError) else [str(e)]
