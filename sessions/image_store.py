@@ -43,24 +43,27 @@ IMAGES_LUA = """
 -- holder's keys; each holder of items has an index hash (sha256 -> its references).
 -- the image key prefix `P:{t}:img:` of the slot of `key` (its first {...}, as Redis reads it)
 local function imgbase(key) return string.match(key, '^(.-{[^}]*})') .. ':img:' end
--- count the image references of a stored item body into (by 1) or out of (by -1) index and
--- images; an image left with no reference is deleted
-local function ref(base, index, body, by)
+-- the images section at argv[at] (`image_args`): m, then (sha256, bytes) * m -> {sha256 = bytes}
+local function image_table(argv, at)
+  local data = {}
+  for i = at + 1, at + 2 * tonumber(argv[at]), 2 do data[argv[i]] = argv[i + 1] end
+  return data
+end
+-- count the image references of a stored item body into (by 1, its bytes from `data` stored if
+-- new) or out of (by -1) index and images; an image left with no reference is deleted
+local function ref(base, index, body, by, data)
   for sha in string.gmatch(body, '"image_ref":"(%x+)"') do
+    if by > 0 and data[sha] then redis.call('HSETNX', base .. sha, 'data', data[sha]) end
     if redis.call('HINCRBY', index, sha, by) <= 0 then redis.call('HDEL', index, sha) end
     if redis.call('HINCRBY', base .. sha, 'refs', by) <= 0 then redis.call('DEL', base .. sha) end
   end
 end
 -- HSET h id body, with the references of body counted in and those of a body it replaces out
-local function put_item(h, index, base, id, body)
+local function put_item(h, index, base, id, body, data)
   local old = redis.call('HGET', h, id)
   redis.call('HSET', h, id, body)
-  ref(base, index, body, 1)
-  if old then ref(base, index, old, -1) end
-end
--- the images section at argv[at] (`image_args`): m, then (sha256, bytes) * m, stored once each
-local function put_images(base, argv, at)
-  for i = at + 1, at + 2 * tonumber(argv[at]), 2 do redis.call('HSETNX', base .. argv[i], 'data', argv[i + 1]) end
+  ref(base, index, body, 1, data)
+  if old then ref(base, index, old, -1, data) end
 end
 -- renew the TTL of every image a holder's index points at (the index itself is among its keys)
 local function touch_images(base, index, ttl)
@@ -147,7 +150,7 @@ def _stored_json(item: Item, images: dict[str, bytes]) -> bytes:
 
 
 def image_args(*stored: Stored) -> list[Any]:
-    """The images section of a writing script's arguments (`put_images` in `IMAGES_LUA`): how
+    """The images section of a writing script's arguments (`image_table` in `IMAGES_LUA`): how
     many images, then (sha256, bytes) for each image the stored items point at."""
     images: dict[str, bytes] = {}
     for s in stored:

@@ -30,12 +30,12 @@ end
 
 _PRELUDE_ITEMS = """
 -- append n (id, body) pairs at the conversation's next positions; the version goes up once
-local function append(conv, order, items, index, argv, first, n)
+local function append(conv, order, items, index, argv, first, n, data)
   local base = imgbase(conv)
   for i = 0, n - 1 do
     local pos = redis.call('HINCRBY', conv, 'next', 1) - 1
     redis.call('ZADD', order, pos, argv[first + 2 * i])
-    put_item(items, index, base, argv[first + 2 * i], argv[first + 2 * i + 1])
+    put_item(items, index, base, argv[first + 2 * i], argv[first + 2 * i + 1], data)
   end
   if n == 0 then return tonumber(redis.call('HGET', conv, 'version')) end
   return redis.call('HINCRBY', conv, 'version', 1)
@@ -43,9 +43,9 @@ end
 local function hset_pairs(h, argv, first, n)
   for i = 0, n - 1 do redis.call('HSET', h, argv[first + 2 * i], argv[first + 2 * i + 1]) end
 end
-local function put_items(h, index, argv, first, n)
+local function put_items(h, index, argv, first, n, data)
   local base = imgbase(h)
-  for i = 0, n - 1 do put_item(h, index, base, argv[first + 2 * i], argv[first + 2 * i + 1]) end
+  for i = 0, n - 1 do put_item(h, index, base, argv[first + 2 * i], argv[first + 2 * i + 1], data) end
 end
 -- HMGET in chunks: unpack() has a stack limit
 local function mget(h, ids)
@@ -70,8 +70,7 @@ end
 redis.call('HSET', KEYS[1], 'tenant', ARGV[1], 'created_at', ARGV[2], 'metadata', ARGV[3],
   'version', 0, 'next', 0, 'last_response', '')
 local n, base = tonumber(ARGV[5]), imgbase(KEYS[1])
-put_images(base, ARGV, 6 + 2 * n)
-local v = append(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV, 6, n)
+local v = append(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV, 6, n, image_table(ARGV, 6 + 2 * n))
 touch(ARGV[4], KEYS)
 touch_images(base, KEYS[4], ARGV[4])
 return v
@@ -85,8 +84,7 @@ local n, base = tonumber(ARGV[3]), imgbase(KEYS[1])
 local found = present(KEYS[3], ARGV, 4, n)
 if n > 0 and found == n then return tonumber(redis.call('HGET', KEYS[1], 'version')) end
 if found > 0 then return fail('CONFLICT', 'an item id is already in the conversation') end
-put_images(base, ARGV, 4 + 2 * n)
-local v = append(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV, 4, n)
+local v = append(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV, 4, n, image_table(ARGV, 4 + 2 * n))
 touch(ARGV[2], KEYS)
 touch_images(base, KEYS[4], ARGV[2])
 return v
@@ -99,7 +97,7 @@ if redis.call('ZREM', KEYS[2], ARGV[3]) == 0 then return fail('NOTFOUND', 'item 
 local base = imgbase(KEYS[1])
 local body = redis.call('HGET', KEYS[3], ARGV[3])
 redis.call('HDEL', KEYS[3], ARGV[3])
-if body then ref(base, KEYS[4], body, -1) end
+if body then ref(base, KEYS[4], body, -1, {}) end
 redis.call('HSET', KEYS[1], 'last_response', '')  -- its stored tokens no longer match the items
 local v = redis.call('HINCRBY', KEYS[1], 'version', 1)
 touch(ARGV[2], KEYS)
@@ -170,24 +168,23 @@ local old = redis.call('HGET', resp, 'status')
 if old and TERMINAL[old] then return fail('CONFLICT', 'response is already ' .. old) end
 local n, nf, ni = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local version = tonumber(redis.call('HGET', conv, 'version'))
-local base = imgbase(conv)
 if ARGV[8] == '1' and present(items, ARGV, 12, n) > 0 then
   return fail('CONFLICT', 'an item id is already in the conversation')
 end
-put_images(base, ARGV, 12 + 2 * (n + nf + ni))
+local data = image_table(ARGV, 12 + 2 * (n + nf + ni))
 if ARGV[8] == '1' then
   local before = version
-  version = append(conv, order, items, images, ARGV, 12, n)
+  version = append(conv, order, items, images, ARGV, 12, n, data)
   -- this turn's prompt + output tokens describe the items only if nothing changed them meanwhile
   redis.call('HSET', conv, 'last_response', tostring(before) == ARGV[4] and ARGV[5] or '')
 end
 redis.call('HSET', resp, 'tenant', ARGV[1], 'status', ARGV[6], 'response', ARGV[7], 'committed', ARGV[3])
 hset_pairs(resp, ARGV, 12 + 2 * n, nf)
-put_items(resp_items, resp_images, ARGV, 12 + 2 * (n + nf), ni)
+put_items(resp_items, resp_images, ARGV, 12 + 2 * (n + nf), ni, data)
 redis.call('DEL', lease)
 touch(ARGV[2], {conv, order, items, images, resp, resp_items, resp_images})
-touch_images(base, images, ARGV[2])
-touch_images(base, resp_images, ARGV[2])
+touch_images(imgbase(conv), images, ARGV[2])  -- a response from before tags has its own slot
+touch_images(imgbase(resp), resp_images, ARGV[2])
 return version
 """
 
@@ -201,13 +198,12 @@ if old and TERMINAL[old] then
   if redis.call('HGET', KEYS[1], 'response') == ARGV[4] then return 0 end
   return fail('CONFLICT', 'response is already ' .. old)
 end
-local nf, ni, base = tonumber(ARGV[5]), tonumber(ARGV[6]), imgbase(KEYS[1])
+local nf, ni = tonumber(ARGV[5]), tonumber(ARGV[6])
 redis.call('HSET', KEYS[1], 'tenant', ARGV[1], 'status', ARGV[3], 'response', ARGV[4])
 hset_pairs(KEYS[1], ARGV, 7, nf)
-put_images(base, ARGV, 7 + 2 * (nf + ni))
-put_items(KEYS[2], KEYS[3], ARGV, 7 + 2 * nf, ni)
+put_items(KEYS[2], KEYS[3], ARGV, 7 + 2 * nf, ni, image_table(ARGV, 7 + 2 * (nf + ni)))
 touch(ARGV[2], KEYS)
-touch_images(base, KEYS[3], ARGV[2])
+touch_images(imgbase(KEYS[1]), KEYS[3], ARGV[2])
 return 1
 """
 

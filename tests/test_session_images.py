@@ -136,6 +136,26 @@ def test_deleting_the_conversation_and_its_responses_deletes_their_images(target
     run(target, body)
 
 
+def test_a_response_in_another_slot_keeps_its_own_copy(target: tuple[str, str]) -> None:
+    """A response id from before hash tags does not share its conversation's tag: its input items'
+    images go to its own slot."""
+
+    async def body(store: SessionStore) -> None:
+        cid = (await store.conversations.create("t")).conversation.id
+        r = reply(cid)
+        fence = await store.conversations.acquire_lease("t", cid, r.id)
+        inputs = [with_image(url(PIC_A))]
+        await store.conversations.commit_turn("t", cid, fence, r, inputs)
+        assert await image_keys(store, cid) == {sha(PIC_A): 1} == await image_keys(store, r.id)
+        assert (await store.responses.list_input_items("t", r.id)).items == inputs
+        assert (await store.conversations.load("t", cid)).items[0] == inputs[0]
+        await store.responses.delete("t", r.id)
+        await store.conversations.delete("t", cid)
+        assert await image_keys(store, cid) == {} == await image_keys(store, r.id)
+
+    run(target, body)
+
+
 def test_a_response_saved_again_and_a_chain(target: tuple[str, str]) -> None:
     async def body(store: SessionStore) -> None:
         first = reply(None, status="in_progress")
