@@ -14,13 +14,16 @@ stored by reference; any other part (an http(s) URL, a `file_id`, a data URL who
 not canonical or does not decode) stays inline as before, and items written before this layout
 (every image inline) read as they always did.
 
-Reference counting (the Lua side is in `sessions.scripts`): each holder of items, a
+Reference counting (`IMAGES_LUA` below, run inside the scripts of `sessions.scripts` that write
+or delete items, so it is atomic with them): each holder of items, a
 conversation's item hash or a response's input items, has an index hash `…:images` (sha256 ->
 how many of its parts point at it). Writing items adds to the index and to the image's `refs`;
 deleting an item, a conversation or a response takes its counts off and deletes an image whose
 `refs` reach 0. An image's TTL is renewed with every write to a holder that points at it, so it
 outlives each of them; a holder that expires (rather than being deleted) leaves its counts, and
-the image then expires with the last holder that pointed at it.
+the image then expires with the last holder that pointed at it. The image key is in the slot of
+the holder that points at it: a response id from before hash tags (a migrated database), whose
+slot is not its conversation's, keeps its own copy.
 """
 
 from __future__ import annotations
