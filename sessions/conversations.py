@@ -18,10 +18,11 @@ from redis.asyncio import Redis
 
 from sessions.config import StoreConfig
 from sessions.errors import NotFound
-from sessions.items import Item, ItemPage, check_page, decode_item
+from sessions.image_store import image_args, image_map, load_item, load_items, store_items
+from sessions.items import Item, ItemPage, check_page
 from sessions.keys import Keys
 from sessions.models import Conversation, ConversationState, Response, new_id, now
-from sessions.responses import Order, decode_items, item_pairs, response_fields, unpack_ids
+from sessions.responses import Order, response_fields, unpack_ids
 from sessions.retry import Retrier
 from sessions.scripts import Scripts
 
@@ -59,8 +60,9 @@ class ConversationStore:
         """A new conversation (`conv_…`) holding `items` (at most `max_append`)."""
         self._check_append(items)
         conv = Conversation(id=new_id("conv"), created_at=now(), metadata=metadata or {})
+        stored = store_items(items)
         args = [tenant, conv.created_at, msgspec.json.encode(conv.metadata), self.config.state_ttl_s]
-        args += [len(items), *item_pairs(items)]
+        args += [len(items), *stored.pairs, *image_args(stored)]
         keys = self.keys.conversation(conv.id)
         version = await self.retrier.script(self.scripts.create_conversation, keys, args, conv.id)
         return ConversationState(conv, tenant, int(version))
@@ -92,12 +94,13 @@ class ConversationStore:
         """The conversation, all its items in order and its last turn's tokens, in one round trip."""
         keys, args = self.keys.conversation(conv_id), [tenant, self.keys.prefix]
         reply = await self.retrier.script(self.scripts.load_conversation, keys, args, conv_id)
-        created_at, metadata, version, last, prompt, output, bodies = reply
+        created_at, metadata, version, last, prompt, output, bodies, images = reply
         conv = Conversation(id=conv_id, created_at=int(created_at), metadata=_metadata(metadata))
         state = ConversationState(conv, tenant, int(version))
+        items = load_items(bodies, images)
         if not last or prompt is None:
-            return ConversationContext(state, decode_items(bodies), None, None, None)
-        return ConversationContext(state, decode_items(bodies), last.decode(), unpack_ids(prompt), unpack_ids(output))
+            return ConversationContext(state, items, None, None, None)
+        return ConversationContext(state, items, last.decode(), unpack_ids(prompt), unpack_ids(output))
 
     # ---- items ----
 
@@ -105,24 +108,15 @@ class ConversationStore:
         """Append items (at most `max_append`) and return the new version. Conflict if some ids
         are in the conversation already; if all are, the call is a replay and changes nothing."""
         self._check_append(items)
-        args = [tenant, self.config.state_ttl_s, len(items), *item_pairs(items)]
+        stored = store_items(items)
+        args = [tenant, self.config.state_ttl_s, len(items), *stored.pairs, *image_args(stored)]
         return int(await self.retrier.script(self.scripts.append_items, self.keys.conversation(conv_id), args, conv_id))
 
     async def get_item(self, tenant: str, conv_id: str, item_id: str) -> Item:
         """One item; NotFound (kind "conversation" or "item") if absent."""
-
-        async def once() -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hget(self.keys.conv(conv_id), "tenant")
-            pipe.hget(self.keys.items(conv_id), item_id)
-            return await pipe.execute()
-
-        owner, body = await self.retrier.run(once, conv_id)
-        if owner is None or owner.decode() != tenant:
-            raise NotFound("conversation", conv_id)
-        if body is None:
-            raise NotFound("item", item_id)
-        return decode_item(body)
+        keys, args = [self.keys.conv(conv_id), self.keys.items(conv_id)], [tenant, item_id]
+        body, images = await self.retrier.script(self.scripts.get_item, keys, args, conv_id)
+        return load_item(body, image_map(images))
 
     async def delete_item(self, tenant: str, conv_id: str, item_id: str) -> None:
         """Remove an item (NotFound if absent); the version goes up."""
@@ -138,8 +132,8 @@ class ConversationStore:
         check_page(limit, order)
         args = [tenant, after or "", limit, "1" if order == "desc" else "0"]
         keys = self.keys.conversation(conv_id)
-        more, bodies = await self.retrier.script(self.scripts.list_items, keys, args, conv_id)
-        return ItemPage.of(decode_items(bodies), bool(more))
+        more, bodies, images = await self.retrier.script(self.scripts.list_items, keys, args, conv_id)
+        return ItemPage.of(load_items(bodies, images), bool(more))
 
     # ---- the lease and the commit of a turn ----
 
@@ -191,11 +185,12 @@ class ConversationStore:
             or an item id is in the conversation already), NotFound.
         """
         fields = response_fields(response, input_items, prompt_ids, output_ids)
-        new = [*input_items, *response.output] if append else []
+        new = store_items([*input_items, *response.output] if append else [])
+        inputs = store_items(input_items)
         args: list[Any] = [tenant, self.config.state_ttl_s, f"{response.id}:{fence}"]
         args += ["" if base_version is None else str(base_version), response.id, response.status]
-        args += [msgspec.json.encode(response), "1" if append else "0", len(new), len(fields) // 2, len(input_items)]
-        args += [*item_pairs(new), *fields, *item_pairs(input_items)]
+        args += [msgspec.json.encode(response), "1" if append else "0", len(new.pairs) // 2, len(fields) // 2]
+        args += [len(input_items), *new.pairs, *fields, *inputs.pairs, *image_args(new, inputs)]
         keys = [*self.keys.conversation(conv_id), self.keys.lease(conv_id)]
-        keys += [self.keys.resp(response.id), self.keys.resp_items(response.id)]
+        keys += [self.keys.resp(response.id), self.keys.resp_items(response.id), self.keys.resp_images(response.id)]
         return int(await self.retrier.script(self.scripts.commit_turn, keys, args, conv_id))

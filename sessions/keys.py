@@ -31,15 +31,25 @@ class Keys:
     def lease(self, c: str) -> str:
         return f"{self._conv(c)}:lease"
 
+    def images(self, c: str) -> str:
+        return f"{self._conv(c)}:images"
+
     def conversation(self, c: str) -> list[str]:
-        """The three keys of a conversation's state: hash, order zset, items hash."""
-        return [self.conv(c), self.order(c), self.items(c)]
+        """The four keys of a conversation's state: hash, order zset, items hash, image index."""
+        return [self.conv(c), self.order(c), self.items(c), self.images(c)]
 
     def resp(self, r: str) -> str:
         return f"{self.prefix}:{{{slot_tag(r)}}}:resp:{r}"
 
     def resp_items(self, r: str) -> str:
         return f"{self.resp(r)}:items"
+
+    def resp_images(self, r: str) -> str:
+        return f"{self.resp(r)}:images"
+
+    def image(self, any_id: str, sha256: str) -> str:
+        """The bytes of one image (`sessions.image_store`), in the slot of `any_id`'s tag."""
+        return f"{self.prefix}:{{{slot_tag(any_id)}}}:img:{sha256}"
 
     def resp_lease(self, r: str) -> str:
         return f"{self.resp(r)}:lease"

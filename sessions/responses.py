@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import msgspec
@@ -20,7 +20,8 @@ from redis.asyncio import Redis
 
 from sessions.config import StoreConfig
 from sessions.errors import NotFound
-from sessions.items import Item, ItemPage, check_page, decode_item, encode_item
+from sessions.image_store import image_args, load_items, store_items
+from sessions.items import Item, ItemPage, check_page
 from sessions.keys import Keys
 from sessions.models import Response, decode_response
 from sessions.retry import Retrier
@@ -64,16 +65,6 @@ def unpack_ids(raw: bytes | None) -> list[int] | None:
     return a.tolist()
 
 
-def item_pairs(items: Iterable[Item]) -> list[Any]:
-    """Script arguments `id, JSON, id, JSON, …`."""
-    return [x for item in items for x in (item.id, encode_item(item))]
-
-
-def decode_items(raw: list[bytes | None]) -> list[Item]:
-    """Items from an HMGET reply; ids no longer there (None) are skipped."""
-    return [decode_item(b) for b in raw if b is not None]
-
-
 def response_fields(
     response: Response,
     input_items: Sequence[Item] | None,
@@ -112,9 +103,10 @@ class ResponseStore:
         same JSON is written again: a replay)."""
         fields = response_fields(response, input_items, prompt_ids, output_ids)
         items = list(input_items or ())
+        stored = store_items(items)
         args = [tenant, self.config.state_ttl_s, response.status, msgspec.json.encode(response)]
-        args += [len(fields) // 2, len(items), *fields, *item_pairs(items)]
-        keys = [self.keys.resp(response.id), self.keys.resp_items(response.id)]
+        args += [len(fields) // 2, len(items), *fields, *stored.pairs, *image_args(stored)]
+        keys = [self.keys.resp(response.id), self.keys.resp_items(response.id), self.keys.resp_images(response.id)]
         await self.retrier.script(self.scripts.save_response, keys, args, response.id)
 
     async def hold(self, resp_id: str) -> None:
@@ -158,7 +150,8 @@ class ResponseStore:
         """A page of the response's input items (`GET /v1/responses/{id}/input_items`)."""
         check_page(limit, order)
         keys = [self.keys.resp(resp_id), self.keys.resp_items(resp_id)]
-        items = decode_items(await self.retrier.script(self.scripts.response_items, keys, [tenant], resp_id))
+        bodies, images = await self.retrier.script(self.scripts.response_items, keys, [tenant], resp_id)
+        items = load_items(bodies, images)
         if order == "desc":
             items.reverse()
         if after is not None:
@@ -175,10 +168,11 @@ class ResponseStore:
         args = [self.keys.prefix, tenant, resp_id, self.config.max_chain]
         keys = [self.keys.resp(resp_id)]
         prompt, output, *links = await self.retrier.script(self.scripts.load_chain, keys, args, resp_id)
-        chain = [ChainLink(decode_response(body), decode_items(items)) for body, items in reversed(links)]
+        chain = [ChainLink(decode_response(body), load_items(items, images)) for body, items, images in reversed(links)]
         return Chain(chain, unpack_ids(prompt), unpack_ids(output))
 
     async def delete(self, tenant: str, resp_id: str) -> None:
         """Delete a response, its input items and its events; NotFound if absent."""
         keys = [self.keys.resp(resp_id), self.keys.resp_items(resp_id), self.keys.events(resp_id)]
+        keys.append(self.keys.resp_images(resp_id))
         await self.retrier.script(self.scripts.delete_response, keys, [tenant], resp_id, gone_ok=True)

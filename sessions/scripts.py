@@ -1,5 +1,6 @@
 """The Lua scripts of the session store: one per change of more than one key, plus the reads
-that must see one consistent snapshot in one round trip. Key layout: `sessions.store`.
+that must see one consistent snapshot in one round trip (those in `sessions.read_scripts`). Key
+layout: `sessions.store`.
 
 Every writing script checks all it needs (tenant, lease fence, duplicate ids, final status)
 before its first write, so a failed check writes nothing; failures are error replies
@@ -12,6 +13,9 @@ from __future__ import annotations
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from sessions.image_store import IMAGES_LUA
+from sessions.read_scripts import GET_ITEM, LIST_ITEMS, LOAD_CHAIN, LOAD_CONVERSATION, RESPONSE_ITEMS
+
 _PRELUDE = """
 local function fail(code, detail) return redis.error_reply('LC_' .. code .. ' ' .. detail) end
 local TERMINAL = {completed = true, failed = true, cancelled = true, incomplete = true}
@@ -22,18 +26,26 @@ local function present(h, argv, first, n)
   for i = 0, n - 1 do found = found + redis.call('HEXISTS', h, argv[first + 2 * i]) end
   return found
 end
+"""
+
+_PRELUDE_ITEMS = """
 -- append n (id, body) pairs at the conversation's next positions; the version goes up once
-local function append(conv, order, items, argv, first, n)
+local function append(conv, order, items, index, argv, first, n, data)
+  local base = imgbase(conv)
   for i = 0, n - 1 do
     local pos = redis.call('HINCRBY', conv, 'next', 1) - 1
     redis.call('ZADD', order, pos, argv[first + 2 * i])
-    redis.call('HSET', items, argv[first + 2 * i], argv[first + 2 * i + 1])
+    put_item(items, index, base, argv[first + 2 * i], argv[first + 2 * i + 1], data)
   end
   if n == 0 then return tonumber(redis.call('HGET', conv, 'version')) end
   return redis.call('HINCRBY', conv, 'version', 1)
 end
 local function hset_pairs(h, argv, first, n)
   for i = 0, n - 1 do redis.call('HSET', h, argv[first + 2 * i], argv[first + 2 * i + 1]) end
+end
+local function put_items(h, index, argv, first, n, data)
+  local base = imgbase(h)
+  for i = 0, n - 1 do put_item(h, index, base, argv[first + 2 * i], argv[first + 2 * i + 1], data) end
 end
 -- HMGET in chunks: unpack() has a stack limit
 local function mget(h, ids)
@@ -48,7 +60,8 @@ local function owned(conv, tenant) return redis.call('HGET', conv, 'tenant') == 
 local function rkey(p, id) return p .. ':{' .. (string.gsub(string.sub(id, -16), '[{}]', '_')) .. '}:resp:' .. id end
 """
 
-# KEYS conv, order, items; ARGV tenant, created_at, metadata, ttl, n, (id, body) * n
+# KEYS conv, order, items, images; ARGV tenant, created_at, metadata, ttl, n, (id, body) * n,
+#      then the images section (`sessions.image_store.image_args`)
 CREATE_CONVERSATION = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   if owned(KEYS[1], ARGV[1]) then return tonumber(redis.call('HGET', KEYS[1], 'version')) end
@@ -56,45 +69,55 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 redis.call('HSET', KEYS[1], 'tenant', ARGV[1], 'created_at', ARGV[2], 'metadata', ARGV[3],
   'version', 0, 'next', 0, 'last_response', '')
-local v = append(KEYS[1], KEYS[2], KEYS[3], ARGV, 6, tonumber(ARGV[5]))
+local n, base = tonumber(ARGV[5]), imgbase(KEYS[1])
+local v = append(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV, 6, n, image_table(ARGV, 6 + 2 * n))
 touch(ARGV[4], KEYS)
+touch_images(base, KEYS[4], ARGV[4])
 return v
 """
 
-# KEYS conv, order, items; ARGV tenant, ttl, n, (id, body) * n. All ids present: a replay.
+# KEYS conv, order, items, images; ARGV tenant, ttl, n, (id, body) * n, images section.
+# All ids present: a replay.
 APPEND_ITEMS = """
 if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'conversation') end
-local n = tonumber(ARGV[3])
+local n, base = tonumber(ARGV[3]), imgbase(KEYS[1])
 local found = present(KEYS[3], ARGV, 4, n)
 if n > 0 and found == n then return tonumber(redis.call('HGET', KEYS[1], 'version')) end
 if found > 0 then return fail('CONFLICT', 'an item id is already in the conversation') end
-local v = append(KEYS[1], KEYS[2], KEYS[3], ARGV, 4, n)
+local v = append(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV, 4, n, image_table(ARGV, 4 + 2 * n))
 touch(ARGV[2], KEYS)
+touch_images(base, KEYS[4], ARGV[2])
 return v
 """
 
-# KEYS conv, order, items; ARGV tenant, ttl, item id
+# KEYS conv, order, items, images; ARGV tenant, ttl, item id
 DELETE_ITEM = """
 if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'conversation') end
 if redis.call('ZREM', KEYS[2], ARGV[3]) == 0 then return fail('NOTFOUND', 'item ' .. ARGV[3]) end
+local base = imgbase(KEYS[1])
+local body = redis.call('HGET', KEYS[3], ARGV[3])
 redis.call('HDEL', KEYS[3], ARGV[3])
+if body then ref(base, KEYS[4], body, -1, {}) end
 redis.call('HSET', KEYS[1], 'last_response', '')  -- its stored tokens no longer match the items
 local v = redis.call('HINCRBY', KEYS[1], 'version', 1)
 touch(ARGV[2], KEYS)
+touch_images(base, KEYS[4], ARGV[2])
 return v
 """
 
-# KEYS conv, order, items; ARGV tenant, ttl, metadata
+# KEYS conv, order, items, images; ARGV tenant, ttl, metadata
 UPDATE_CONVERSATION = """
 if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'conversation') end
 redis.call('HSET', KEYS[1], 'metadata', ARGV[3])
 touch(ARGV[2], KEYS)
+touch_images(imgbase(KEYS[1]), KEYS[4], ARGV[2])
 return 1
 """
 
-# KEYS conv, order, items, lease; ARGV tenant
+# KEYS conv, order, items, images, lease; ARGV tenant
 DELETE_CONVERSATION = """
 if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'conversation') end
+drop_images(imgbase(KEYS[1]), KEYS[4])
 redis.call('DEL', unpack(KEYS))
 return 1
 """
@@ -127,12 +150,13 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 return redis.call('DEL', KEYS[1])
 """
 
-# KEYS conv, order, items, lease, resp, resp items
+# KEYS conv, order, items, images, lease, resp, resp items, resp images
 # ARGV 1 tenant, 2 ttl, 3 lease value, 4 base version ('' unknown), 5 response id, 6 status,
 #      7 response JSON, 8 append ('1'/'0'), 9 n items, 10 n fields, 11 n input items,
-#      then (id, body) * n to append, (field, value) * n fields, (id, body) * n input items
+#      then (id, body) * n to append, (field, value) * n fields, (id, body) * n input items,
+#      then the images section
 COMMIT_TURN = """
-local conv, order, items, lease, resp, resp_items = unpack(KEYS)
+local conv, order, items, images, lease, resp, resp_items, resp_images = unpack(KEYS)
 if redis.call('GET', lease) ~= ARGV[3] then
   if redis.call('HGET', resp, 'committed') == ARGV[3] then
     return tonumber(redis.call('HGET', conv, 'version')) or 0
@@ -144,23 +168,28 @@ local old = redis.call('HGET', resp, 'status')
 if old and TERMINAL[old] then return fail('CONFLICT', 'response is already ' .. old) end
 local n, nf, ni = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local version = tonumber(redis.call('HGET', conv, 'version'))
+if ARGV[8] == '1' and present(items, ARGV, 12, n) > 0 then
+  return fail('CONFLICT', 'an item id is already in the conversation')
+end
+local data = image_table(ARGV, 12 + 2 * (n + nf + ni))
 if ARGV[8] == '1' then
-  if present(items, ARGV, 12, n) > 0 then return fail('CONFLICT', 'an item id is already in the conversation') end
-  local base = version
-  version = append(conv, order, items, ARGV, 12, n)
+  local before = version
+  version = append(conv, order, items, images, ARGV, 12, n, data)
   -- this turn's prompt + output tokens describe the items only if nothing changed them meanwhile
-  redis.call('HSET', conv, 'last_response', tostring(base) == ARGV[4] and ARGV[5] or '')
+  redis.call('HSET', conv, 'last_response', tostring(before) == ARGV[4] and ARGV[5] or '')
 end
 redis.call('HSET', resp, 'tenant', ARGV[1], 'status', ARGV[6], 'response', ARGV[7], 'committed', ARGV[3])
 hset_pairs(resp, ARGV, 12 + 2 * n, nf)
-hset_pairs(resp_items, ARGV, 12 + 2 * (n + nf), ni)
+put_items(resp_items, resp_images, ARGV, 12 + 2 * (n + nf), ni, data)
 redis.call('DEL', lease)
-touch(ARGV[2], {conv, order, items, resp, resp_items})
+touch(ARGV[2], {conv, order, items, images, resp, resp_items, resp_images})
+touch_images(imgbase(conv), images, ARGV[2])  -- a response from before tags has its own slot
+touch_images(imgbase(resp), resp_images, ARGV[2])
 return version
 """
 
-# KEYS resp, resp items; ARGV 1 tenant, 2 ttl, 3 status, 4 response JSON, 5 n fields,
-#      6 n items, then (field, value) * n fields, (id, body) * n items
+# KEYS resp, resp items, resp images; ARGV 1 tenant, 2 ttl, 3 status, 4 response JSON,
+#      5 n fields, 6 n items, then (field, value) * n fields, (id, body) * n items, images section
 SAVE_RESPONSE = """
 local owner = redis.call('HGET', KEYS[1], 'tenant')
 if owner and owner ~= ARGV[1] then return fail('NOTFOUND', 'response') end
@@ -172,69 +201,18 @@ end
 local nf, ni = tonumber(ARGV[5]), tonumber(ARGV[6])
 redis.call('HSET', KEYS[1], 'tenant', ARGV[1], 'status', ARGV[3], 'response', ARGV[4])
 hset_pairs(KEYS[1], ARGV, 7, nf)
-hset_pairs(KEYS[2], ARGV, 7 + 2 * nf, ni)
+put_items(KEYS[2], KEYS[3], ARGV, 7 + 2 * nf, ni, image_table(ARGV, 7 + 2 * (nf + ni)))
 touch(ARGV[2], KEYS)
+touch_images(imgbase(KEYS[1]), KEYS[3], ARGV[2])
 return 1
 """
 
-# KEYS resp, resp items, events; ARGV tenant
+# KEYS resp, resp items, events, resp images; ARGV tenant
 DELETE_RESPONSE = """
 if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'response') end
+drop_images(imgbase(KEYS[1]), KEYS[4])
 redis.call('DEL', unpack(KEYS))
 return 1
-"""
-
-# KEYS conv, order, items; ARGV tenant, after id ('' none), limit, desc ('1'/'0')
-# -> {has_more, {item JSON...}}
-LIST_ITEMS = """
-if not owned(KEYS[1], ARGV[1]) then return fail('NOTFOUND', 'conversation') end
-local limit, desc = tonumber(ARGV[3]), ARGV[4] == '1'
-local ids
-if ARGV[2] == '' then
-  ids = redis.call(desc and 'ZREVRANGE' or 'ZRANGE', KEYS[2], 0, limit)
-else
-  local pos = redis.call('ZSCORE', KEYS[2], ARGV[2])
-  if not pos then return fail('NOTFOUND', 'item ' .. ARGV[2]) end
-  if desc then ids = redis.call('ZREVRANGEBYSCORE', KEYS[2], '(' .. pos, '-inf', 'LIMIT', 0, limit + 1)
-  else ids = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. pos, '+inf', 'LIMIT', 0, limit + 1) end
-end
-local more = 0
-if #ids > limit then more = 1; ids[#ids] = nil end
-return {more, mget(KEYS[3], ids)}
-"""
-
-# KEYS conv, order, items; ARGV tenant, key prefix P (the last response shares the slot)
-# -> {created_at, metadata, version, last_response, prompt_ids, output_ids, {item JSON...}}
-LOAD_CONVERSATION = """
-local h = redis.call('HMGET', KEYS[1], 'tenant', 'created_at', 'metadata', 'version', 'last_response')
-if h[1] ~= ARGV[1] then return fail('NOTFOUND', 'conversation') end
-local tokens = {false, false}
-if h[5] and h[5] ~= '' then tokens = redis.call('HMGET', rkey(ARGV[2], h[5]), 'prompt_ids', 'output_ids') end
-return {h[2], h[3], h[4], h[5], tokens[1], tokens[2], mget(KEYS[3], redis.call('ZRANGE', KEYS[2], 0, -1))}
-"""
-
-# KEYS resp, resp items; ARGV tenant -> {item JSON...} in input order
-RESPONSE_ITEMS = """
-local h = redis.call('HMGET', KEYS[1], 'tenant', 'input_ids')
-if h[1] ~= ARGV[1] then return fail('NOTFOUND', 'response') end
-return mget(KEYS[2], cjson.decode(h[2] or '[]'))
-"""
-
-# KEYS the newest response's key (every link shares its slot: `sessions.ids`)
-# ARGV key prefix P, tenant, newest response id, max depth
-# -> {prompt_ids, output_ids (of the newest), {response JSON, {input item JSON...}} newest first}
-LOAD_CHAIN = """
-local prefix, tenant, id = ARGV[1], ARGV[2], ARGV[3]
-local tokens = redis.call('HMGET', rkey(prefix, id), 'prompt_ids', 'output_ids')
-local out = {tokens[1], tokens[2]}
-for _ = 1, tonumber(ARGV[4]) do
-  local h = redis.call('HMGET', rkey(prefix, id), 'tenant', 'response', 'input_ids', 'prev')
-  if h[1] ~= tenant then return fail('NOTFOUND', 'response ' .. id) end
-  out[#out + 1] = {h[2], mget(rkey(prefix, id) .. ':items', cjson.decode(h[3] or '[]'))}
-  if not h[4] or h[4] == '' then return out end
-  id = h[4]
-end
-return fail('CHAIN', ARGV[4])
 """
 
 # KEYS events; ARGV stream id ('0-<seq + 1>'), event JSON, ttl
@@ -267,7 +245,7 @@ class Scripts:
 
     def __init__(self, client: Redis):
         def reg(body: str) -> AsyncScript:
-            return client.register_script(_PRELUDE + body)  # type: ignore[return-value]
+            return client.register_script(_PRELUDE + IMAGES_LUA + _PRELUDE_ITEMS + body)  # type: ignore[return-value]
 
         self.create_conversation = reg(CREATE_CONVERSATION)
         self.append_items = reg(APPEND_ITEMS)
@@ -283,6 +261,7 @@ class Scripts:
         self.list_items = reg(LIST_ITEMS)
         self.load_conversation = reg(LOAD_CONVERSATION)
         self.response_items = reg(RESPONSE_ITEMS)
+        self.get_item = reg(GET_ITEM)
         self.load_chain = reg(LOAD_CHAIN)
         self.append_event = reg(APPEND_EVENT)
         self.heartbeat_job = reg(HEARTBEAT_JOB)

@@ -9,12 +9,17 @@ conversation's tag, a response chained by `previous_response_id` its previous re
                                       last_response (whose tokens match the items; '' if none),
                                       fence (the lease fence counter)
     P:{t}:conv:c:order        zset    item ids scored by position (a deleted item leaves a gap)
-    P:{t}:conv:c:items        hash    item id -> item JSON (`sessions.items`)
+    P:{t}:conv:c:items        hash    item id -> item JSON (`sessions.items`; a data-URL image part
+                                      holds a reference: `sessions.image_store`)
+    P:{t}:conv:c:images       hash    sha256 -> how many of the conversation's image parts point at it
     P:{t}:conv:c:lease        string  `r:fence` of the response running on c; PX 30 s, renewed
     P:{t}:resp:r              hash    tenant, status, response (JSON), prev, conv, input_ids (JSON),
                                       prompt_ids, output_ids (uint32 little-endian), committed
     P:{t}:resp:r:items        hash    the response's input items, id -> JSON (also when the turn
                                       was in a conversation, so input_items survive item deletes)
+    P:{t}:resp:r:images       hash    sha256 -> how many of its input image parts point at it
+    P:{t}:img:<sha256>        hash    one image's bytes (data) and its reference count (refs), once
+                                      per slot tag (`sessions.image_store`)
     P:{t}:resp:r:lease        string  set while a stored foreground response outside a
                                       conversation runs; PX 30 s, renewed, dropped at its commit
     P:{t}:resp:r:events       stream  events by sequence number (`sessions.streams`)
@@ -39,7 +44,8 @@ Rules:
   over with a new fence (a background job rerun after its worker died).
 - Transient Redis errors are retried for `retry_budget_s` (1 s), then StoreUnavailable.
 - The conversation version goes up with every change of its items and never goes back.
-- State keys carry `state_ttl_s`, refreshed by every write to them.
+- State keys carry `state_ttl_s`, refreshed by every write to them; an image's TTL is refreshed
+  by every write to a holder (conversation items, a response's input items) that points at it.
 - `conversations.load` and `responses.load_chain` are single read scripts (one round trip,
   one snapshot) that follow the ids they read (the last response, `previous_response_id`
   links): those share the slot of the keys the script is given, so the store runs on one

@@ -45,6 +45,7 @@ class Server:
     log: Path
     ready_phases: list[str] = field(default_factory=list)  # what /ready said before it turned 200
     health_before_ready: bool = False
+    redis_url: str | None = None  # its `--redis-url` (None: managed mode)
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -156,6 +157,7 @@ def running_server(
     """
     extra = ["--redis-url", redis_url] if redis_url else []
     server = start_server(model, *extra, *args, log=log, env=env)
+    server.redis_url = redis_url
     try:
         yield server
     finally:

@@ -7,6 +7,7 @@ KV node killed under it (lookups recompute, no request fails)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +48,11 @@ def _user(text: str) -> Item:
     return parse_item({"role": "user", "content": text})
 
 
+def _with_image(text: str) -> Item:  # its bytes go to the slot's image key (`sessions.image_store`)
+    picture = "data:image/png;base64," + base64.b64encode(text.encode() * 100).decode()
+    return parse_item({"role": "user", "content": [{"type": "input_image", "image_url": picture}]})
+
+
 def _reply(text: str, **kw: object) -> Response:
     out = [Message(id=new_id("msg"), role="assistant", content=[OutputText(text=text)])]
     return Response(**{"model": "m", "status": "completed", "output": out, **kw})  # type: ignore[arg-type]
@@ -60,28 +66,33 @@ def test_store_scripts_each_run_on_one_slot(cluster: LocalCluster) -> None:
         store = SessionStore.connect(cluster.url, StoreConfig(prefix=unique_prefix()))
         try:
             await store.check_server()
-            conv = (await store.conversations.create("t", items=[_user("hello")])).conversation
+            conv = (await store.conversations.create("t", items=[_user("hello"), _with_image("a")])).conversation
             r1 = _reply("one", id=new_id("resp", like=conv.id), conversation=ConversationRef(conv.id))
             fence = await store.conversations.acquire_lease("t", conv.id, r1.id)
             with pytest.raises(ConversationBusy):
                 await store.conversations.acquire_lease("t", conv.id, new_id("resp", like=conv.id))
             ctx = await store.conversations.load("t", conv.id)
+            q = [_user("q"), _with_image("a")]
             v = await store.conversations.commit_turn(
-                "t", conv.id, fence, r1, [_user("q")], base_version=ctx.state.version, prompt_ids=[1, 2], output_ids=[3]
+                "t", conv.id, fence, r1, q, base_version=ctx.state.version, prompt_ids=[1, 2], output_ids=[3]
             )
             ctx = await store.conversations.load("t", conv.id)
             assert ctx.state.version == v and ctx.last_response_id == r1.id and ctx.prompt_ids == [1, 2]
             assert [i.id for i in ctx.items][-1] == r1.output[0].id
+            assert ctx.items[1].content == ctx.items[3].content == _with_image("a").content  # type: ignore[union-attr]
+            assert (await store.responses.list_input_items("t", r1.id, order="asc")).items == q
             # a chain: every link takes its previous response's slot tag
             prev = None
             for i in range(4):
                 r = _reply(f"a{i}", id=new_id("resp", like=prev), previous_response_id=prev)
-                await store.responses.save("t", r, [_user(f"q{i}")], prompt_ids=[i], output_ids=[i + 1])
+                await store.responses.save("t", r, [_with_image(f"q{i % 2}")], prompt_ids=[i], output_ids=[i + 1])
                 prev = r.id
             assert prev is not None
             chain = await store.responses.load_chain("t", prev)
             assert [link.response.output[0].content[0].text for link in chain.links] == ["a0", "a1", "a2", "a3"]  # type: ignore[union-attr]
             assert chain.prompt_ids == [3] and len({slot_tag(link.response.id) for link in chain.links}) == 1
+            last, before = chain.links[3].input_items[0], chain.links[2].input_items[0]
+            assert last.content == _with_image("q1").content != before.content  # type: ignore[union-attr]
             await store.events.append(prev, {"type": "x", "sequence_number": 0})
             assert [e.seq for e in await store.events.read("t", prev)] == [0]
             job = await store.jobs.enqueue(prev, "t")

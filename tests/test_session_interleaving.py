@@ -2,11 +2,16 @@
 commits (with their current or a stale fence) on one conversation, in an order hypothesis
 chooses; after every step the store must agree with a plain-Python model: the items in order,
 the version (never going back, up by one per change), the order zset and the items hash
-holding the same ids, and nothing at all written by a refused commit."""
+holding the same ids, each image's reference count equal to the parts that point at it (in the
+items and in the committed responses' input items: `sessions.image_store`), and nothing at all
+written by a refused commit."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -16,7 +21,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from sessions.errors import ConversationBusy, LeaseLost, NotFound
-from sessions.items import Item, Message, OutputText, parse_item
+from sessions.items import InputImage, Item, Message, OutputText, parse_item
 from sessions.models import ConversationRef, Response, new_id
 from sessions.store import SessionStore, StoreConfig
 from tests.redis_server import shared_redis
@@ -24,6 +29,24 @@ from tests.redis_server import shared_redis
 # weighted toward the lease and the commit, where the actors meet
 OPS: tuple[str, ...] = ("append", "append", "delete", "acquire", "acquire", "acquire", "load", "load")
 OPS += ("commit", "commit", "commit", "stale_commit", "stale_commit", "renew", "release")
+
+
+PICTURES = [bytes([k]) * (100 + k) for k in range(3)]  # the store does not read images
+SHAS = [hashlib.sha256(p).hexdigest() for p in PICTURES]
+
+
+def user(text: str, n: int) -> Item:
+    """A user message; with an image (one of three, by n) unless n % 4 == 0."""
+    if n % 4 == 0:
+        return parse_item({"role": "user", "content": text})
+    url = "data:image/png;base64," + base64.b64encode(PICTURES[n % 3]).decode()
+    return parse_item({"role": "user", "content": [{"type": "input_image", "image_url": url}]})
+
+
+def shas_of(item: Item) -> list[str]:
+    parts = item.content if isinstance(item, Message) else []
+    urls = [p.image_url for p in parts if isinstance(p, InputImage) and isinstance(p.image_url, str)]
+    return [hashlib.sha256(base64.b64decode(u.partition(",")[2])).hexdigest() for u in urls]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +72,7 @@ async def snapshot(store: SessionStore, cid: str, resp: str) -> tuple[Any, ...]:
         await c.hgetall(k.items(cid)),
         await c.get(k.lease(cid)),
         await c.hgetall(k.resp(resp)),
+        [await c.hgetall(k.image(cid, sha)) for sha in SHAS],
     )
 
 
@@ -57,8 +81,10 @@ async def play(target: tuple[str, str], steps: list[tuple[str, int, int]]) -> No
     c = store.conversations
     cid = (await c.create("t")).conversation.id
     items: list[str] = []  # the model: item ids in order
+    images: dict[str, list[str]] = {}  # the model: item id -> the sha256s its parts point at
+    held = Counter[str]()  # image references held by committed responses' input items
     version, lease, refused = 0, None, set()
-    actors = [Actor(), Actor()]
+    actors = [Actor(new_id("resp", like=cid)), Actor(new_id("resp", like=cid))]  # in the conversation's slot
     for op, who, n in steps:
         a = actors[who]
         fence = a.fences[-1] if a.fences else 0
@@ -66,10 +92,11 @@ async def play(target: tuple[str, str], steps: list[tuple[str, int, int]]) -> No
             fence = a.fences[n % (len(a.fences) - 1)] if len(a.fences) > 1 else fence - 1
         holds = bool(a.fences) and lease == (a.resp, fence)
         if op == "append":
-            new = [parse_item({"role": "user", "content": f"{who}.{i}"}) for i in range(n % 3 + 1)]
+            new = [user(f"{who}.{i}", n + i) for i in range(n % 3 + 1)]
             version += 1
             assert await c.append_items("t", cid, new) == version
             items += [i.id for i in new]
+            images |= {i.id: shas_of(i) for i in new}
         elif op == "delete":
             if not items:
                 with pytest.raises(NotFound):
@@ -94,13 +121,15 @@ async def play(target: tuple[str, str], steps: list[tuple[str, int, int]]) -> No
         elif op in ("commit", "stale_commit") and a.fences:
             out: list[Item] = [Message(id=new_id("msg"), role="assistant", content=[OutputText(text="ok")])]
             r = Response(id=a.resp, model="m", status="completed", output=out, conversation=ConversationRef(cid))
-            new = [parse_item({"role": "user", "content": "q"}), *out]
+            new = [user("q", n), *out]
             event(f"{op} {'committed' if holds else 'refused'}")
             if holds:
                 version += 1
                 assert await c.commit_turn("t", cid, fence, r, new[:1], base_version=a.base) == version
                 items += [i.id for i in new]
-                lease, actors[who] = None, Actor()
+                images |= {i.id: shas_of(i) for i in new}
+                held.update(shas_of(new[0]))
+                lease, actors[who] = None, Actor(new_id("resp", like=cid))
                 continue
             before = await snapshot(store, cid, a.resp)
             with pytest.raises(LeaseLost):
@@ -122,6 +151,13 @@ async def play(target: tuple[str, str], steps: list[tuple[str, int, int]]) -> No
         bodies = {k.decode() for k in cast(list[bytes], await store.client.hkeys(store.keys.items(cid)))}
         assert state.version == version and order == items and set(order) == bodies
         assert not refused & bodies
+        in_items = Counter(sha for i in items for sha in images[i])
+        index = cast(dict[bytes, bytes], await store.client.hgetall(store.keys.images(cid)))  # type: ignore[misc]
+        assert {k.decode(): int(v) for k, v in index.items()} == in_items
+        for sha in SHAS:
+            refs = await store.client.hget(store.keys.image(cid, sha), "refs")  # type: ignore[misc]
+            assert int(refs or 0) == in_items[sha] + held[sha]
+            assert (refs is None) == (in_items[sha] + held[sha] == 0)
     await store.close()
 
 

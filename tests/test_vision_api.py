@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import itertools
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,10 +20,12 @@ from typing import Any, ClassVar
 
 import openai
 import pytest
+import redis
 
 from sessions.config import ImageConfig
 from sessions.errors import InvalidParam
 from sessions.image_parts import ImageParts, check_image
+from sessions.keys import Keys
 from tests.server import TEST_KEY, Server, keyed_server
 from tests.vision_models import TinyVLM, build_tiny_vlm, image, reference_greedy
 
@@ -132,27 +135,41 @@ def test_responses_and_chat_answer_as_transformers(vlm: TinyVLM, client: openai.
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == resp.output_text
 
 
-def test_conversation_renders_its_image_again(client: openai.OpenAI) -> None:
-    """The next turn's prompt holds the first turn's image (its pages found again), and the
-    conversation's items return the part as it was sent."""
-    url = data_url(png(2))
+def image_keys(server: Server, conv_id: str) -> dict[bytes, int]:
+    """The images stored in a conversation's slot (`sessions.image_store`): key -> its bytes' length."""
+    assert server.redis_url is not None
+    r, match = redis.Redis.from_url(server.redis_url), Keys(server.prefix).image(conv_id, "*")
+    return {k: len(r.hget(k, "data") or b"") for k in r.scan_iter(match=match, count=1000)}  # type: ignore[arg-type]
+
+
+def test_conversation_renders_its_image_again(server: Server, client: openai.OpenAI) -> None:
+    """Each turn's prompt holds the earlier turns' images (their pages found again); an image sent
+    in three turns is stored once; the conversation's items and each response's input items
+    return the part as it was sent; deleting the conversation and its responses deletes it."""
+    picture, other = png(2), png(4)
+    url = data_url(picture)
     conv = client.conversations.create()
-    first = client.responses.create(
-        model="vlm",
-        conversation=conv.id,
-        input=user_turn(url),
-        temperature=0,
-        max_output_tokens=4,
-    )
-    second = client.responses.create(
-        model="vlm", conversation=conv.id, input="And now?", temperature=0, max_output_tokens=4
-    )
-    assert first.usage is not None and second.usage is not None
-    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
-    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16 > 0
+    inputs = [user_turn(url), "And now?", user_turn(url), user_turn(data_url(other))]
+    turns = []
+    for x in inputs:
+        turns.append(client.responses.create(model="vlm", conversation=conv.id, input=x, temperature=0,
+                                             max_output_tokens=4))  # fmt: skip
+    for before, after in itertools.pairwise(turns):
+        assert before.usage is not None and after.usage is not None
+        assert after.usage.input_tokens > before.usage.input_tokens + before.usage.output_tokens
+        assert after.usage.input_tokens_details.cached_tokens >= before.usage.input_tokens // 16 * 16 > 0
+    assert sorted(image_keys(server, conv.id).values()) == sorted([len(picture), len(other)])  # once each
     items = client.conversations.items.list(conv.id, order="asc").data
-    sent = items[0].model_dump(exclude_none=True)["content"][0]
-    assert sent == {"type": "input_image", "image_url": url, "detail": "auto"}
+    sent = {"type": "input_image", "image_url": url, "detail": "auto"}
+    assert items[0].model_dump(exclude_none=True)["content"][0] == sent
+    assert items[4].model_dump(exclude_none=True)["content"][0] == sent
+    got = client.responses.input_items.list(turns[2].id).data[0].model_dump(exclude_none=True)["content"][0]
+    assert got == sent
+    client.conversations.delete(conv.id)
+    assert len(image_keys(server, conv.id)) == 2  # the responses' input items still point at them
+    for t in turns:
+        client.responses.delete(t.id)
+    assert image_keys(server, conv.id) == {}
 
 
 def test_image_url_fetched_from_loopback_with_the_flag(vlm: TinyVLM, client: openai.OpenAI, files: str) -> None:
