@@ -5,6 +5,10 @@ host tier (its own byte budget, LRU); full pages computed by the engine are writ
 to Redis. A lookup takes the leading pages found in host memory at once, and asks Redis for
 the rest on a background thread; the engine admits the request when that completes.
 
+A request preempted with Redis as the only lower tier hands the writer its pages that Redis
+lacks before they are freed (`swap_out`), and until the writer has stored a page, lookups read
+its queued copy (`kvstore.page_ledger`): a swap, not a recompute.
+
 Pages used again (matched in the device pool by hash, or restored from host memory or Redis
 and named there by the scheduler) are `touch`ed: their Redis TTL
 is refreshed, and those Redis turned out not to have (expired,
@@ -216,6 +220,21 @@ class TieredStore:
             self.redis.counters.dropped += len(pages)  # writes are down: no copy is taken
             return
         self.redis.save(page_hashes, self.kv_cache.read_pages(pages))
+
+    def swap_out(self, page_hashes: list[bytes], pages: list[int]) -> int:
+        """A preempted request's pages are about to be freed. With Redis the only tier below
+        the pool, hand the writer a copy (taken now, before their memory can be reused) of
+        those it neither holds queued nor knows stored: dropped when they were computed (queue
+        full, writes down). With a host tier, `evict` copies them when their memory is reused.
+        Returns how many pages were handed over."""
+        redis = self.redis
+        if redis is None or self.host.budget_bytes > 0 or not redis.writable():
+            return 0
+        todo = [(h, p) for h, p in zip(page_hashes, pages, strict=True) if not redis.writer.ledger.holds(h)]
+        if not todo or not redis.save([h for h, _ in todo], self.kv_cache.read_pages([p for _, p in todo])):
+            return 0
+        redis.counters.swapped_out += len(todo)
+        return len(todo)
 
     def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
         """Device pages named by these hashes in the pool (matched there, so `evict` will be

@@ -106,6 +106,9 @@ class FakeConnector:
     def fetch_cost_s(self, num_pages: int) -> float:
         return 1e6  # slow, but recomputing in the Sim is slower still: wait up to the timeout
 
+    def swap_out(self, page_hashes: list[bytes], pages: list[int]) -> int:
+        return 0
+
     def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
         return None
 

@@ -109,6 +109,9 @@ class DelayedTier:
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         self.store.save(page_hashes, pages)
 
+    def swap_out(self, page_hashes: list[bytes], pages: list[int]) -> int:
+        return self.store.swap_out(page_hashes, pages)
+
     def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
         self.store.touch(page_hashes, pages)
 

@@ -120,6 +120,10 @@ class ShardedConnector:
         self.store.save(page_hashes, pages)
         self.ops.add(("save", list(page_hashes), list(pages)))
 
+    def swap_out(self, page_hashes: list[bytes], pages: list[int]) -> int:
+        self.ops.add(("swap_out", list(page_hashes), list(pages)))
+        return self.store.swap_out(page_hashes, pages)
+
     def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
         self.store.touch(page_hashes, pages)
         self.ops.add(("touch", list(page_hashes), list(pages)))
@@ -160,6 +164,8 @@ class ShardStore:
                 self.store.save(op[1], op[2])
             elif kind == "touch":
                 self.store.touch(op[1], op[2])
+            elif kind == "swap_out":
+                self.store.swap_out(op[1], op[2])
             elif kind == "evict":
                 self.store.evict(op[1])
             elif kind == "commit":
