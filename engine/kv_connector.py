@@ -52,6 +52,10 @@ class PendingFetch(Protocol):
         """Ends the lookup: how many leading pages can be loaded. With `expired`, only what
         is already at hand counts (a lookup past its deadline is a miss)."""
 
+    def copy_into(self, pages: list[int]) -> None:
+        """The device pages taken for this fetch (as many as hashes it was given): pages may be
+        copied into them as they arrive, until `take`; `load` is then given a prefix of them."""
+
     def load(self, pages: list[int]) -> None:
         """Copy the first `len(pages)` fetched pages into these device pages."""
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import redis
 import torch
@@ -130,13 +131,20 @@ class RedisTier:
 
     # ---- reads (lookup thread) ----
 
-    def get_prefix(self, page_hashes: list[bytes], out: list[Payload], cancel: threading.Event) -> None:
+    def get_prefix(
+        self,
+        page_hashes: list[bytes],
+        out: list[Payload],
+        cancel: threading.Event,
+        on_batch: Callable[[], None] | None = None,
+    ) -> None:
         """Append to `out` the verified payloads of the leading pages found (in the writer's
         queue, not yet written, or in Redis), batch by batch, so that a caller out of time can
         use what has arrived; stops at the first missing or bad page, or when `cancel` is set.
         A missing page marked pending (its turn committed before its writer was done:
         `RedisWriter.commit_wait`) is waited for until it lands, the mark goes, `cancel` is set
-        (the caller's deadline) or `PENDING_WAIT_S` passes."""
+        (the caller's deadline) or `PENDING_WAIT_S` passes. `on_batch` is called after each
+        batch's pages are appended (the caller copies them on while the next batch is read)."""
         ledger = self.writer.ledger
         try:
             start = 0
@@ -187,6 +195,8 @@ class RedisTier:
                     ledger.mark_stored([h])
                     self.counters.found += 1
                     start += 1
+                if on_batch is not None:
+                    on_batch()
         except redis.RedisError as e:
             self.counters.read_failures += 1
             was_up = self.readable()

@@ -90,7 +90,12 @@ class HostTier:
 
 
 class _Fetch:
-    """One lookup: host payloads at hand, Redis payloads (verified) arriving batch by batch."""
+    """One lookup: host payloads at hand, Redis payloads (verified) arriving batch by batch.
+
+    Given the device pages it will fill (`copy_into`, on a CPU cache), the lookup thread copies
+    each batch from Redis into them as it arrives, while the next batch is read: the copy no
+    longer follows the whole read. `take` stops it (waiting for a batch copy under way), so no
+    page is written once the scheduler may free it."""
 
     def __init__(self, store: TieredStore, host: list[Payload]):
         self.store = store
@@ -100,14 +105,37 @@ class _Fetch:
         self.cancel = threading.Event()
         self.payloads: list[Payload] = []
         self.offset = 0  # a tail fetch: index of its first page in the hashes it was given
+        self._dest: list[int] = []  # device pages for host + arrived payloads, in order
+        self._copied = 0  # arrived payloads already copied into _dest[len(host):]
+        self._lock = threading.Lock()
 
     def ready(self) -> bool:
         return self.remote is None or self.remote.done()
 
+    def copy_into(self, pages: list[int]) -> None:
+        """(step thread) The device pages taken for this fetch: Redis pages may be copied into
+        them as they arrive (CPU cache, page images only; else all at `load`)."""
+        if self.store.codec.as_image and self.store.kv_cache.has_images:
+            with self._lock:
+                self._dest = pages
+            self.copy_arrived()  # what arrived before the pages were taken
+
+    def copy_arrived(self) -> None:
+        """(lookup thread, after each batch) Copy what arrived since into its device pages."""
+        with self._lock:
+            if self.cancel.is_set() or not self._dest:
+                return
+            h = len(self.host)
+            n = min(len(self.arrived), len(self._dest) - h)
+            if n > self._copied:
+                self.store.write(self._dest[h + self._copied : h + n], self.arrived[self._copied : n])
+                self._copied = n
+
     def take(self, expired: bool) -> int:
         """With `expired`, the pages that arrived in time are used and the lookup is stopped."""
         self.cancel.set()
-        self.payloads = self.host + self.arrived[:]  # a snapshot: the lookup thread may still append
+        with self._lock:  # a batch copy under way ends first; none starts after
+            self.payloads = self.host + self.arrived[:]  # a snapshot: the lookup thread may still append
         return len(self.payloads)
 
     def sources(self) -> tuple[int, int]:
@@ -121,7 +149,14 @@ class _Fetch:
         self.store.host.counters.hits += n_host
         if self.store.redis is not None:
             self.store.redis.counters.loaded += len(pages) - n_host
-        self.store.write(pages, self.payloads[: len(pages)])
+        h = len(self.host)
+        done = h + self._copied  # pages [h, done) were copied as they arrived
+        if self._copied and len(pages) > h:
+            assert pages[h : min(done, len(pages))] == self._dest[h : min(done, len(pages))]
+        if pages[:h]:
+            self.store.write(pages[:h], self.payloads[:h])
+        if pages[done:]:
+            self.store.write(pages[done:], self.payloads[done : len(pages)])
         # Not touched here: the scheduler touches the pages it could name; one it could not name
         # would be reused without `evict`, so its page number must not be kept.
 
@@ -157,7 +192,9 @@ class TieredStore:
         fetch = _Fetch(self, host)
         rest = page_hashes[len(host) :]
         if rest and remote and self.redis is not None and self._lookups is not None and self.redis.readable():
-            fetch.remote = self._lookups.submit(self.redis.get_prefix, rest, fetch.arrived, fetch.cancel)
+            fetch.remote = self._lookups.submit(
+                self.redis.get_prefix, rest, fetch.arrived, fetch.cancel, fetch.copy_arrived
+            )
         return fetch
 
     def fetch_tail(

@@ -55,6 +55,9 @@ class FakeFetch:
         self.took = self.found
         return self.found
 
+    def copy_into(self, pages: list[int]) -> None:
+        assert not self.taken
+
     def load(self, pages: list[int]) -> None:
         assert self.taken and len(pages) <= self.found
         self.loaded = len(pages)

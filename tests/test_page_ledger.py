@@ -1,6 +1,7 @@
-"""The writer's ledger (`kvstore.page_ledger`) on a private Redis whose writes are paused: a
-lookup reads pages still queued for writing, and a preempted request's pages are handed to the
-writer only where Redis lacks them (`TieredStore.swap_out`)."""
+"""The writer's ledger (`kvstore.page_ledger`) and the lookup path around it, on a private Redis
+(writes paused where it matters): a lookup reads pages still queued for writing, a preempted
+request's pages are handed to the writer only where Redis lacks them (`TieredStore.swap_out`),
+and a fetch copies pages into the pool as they arrive."""
 
 from __future__ import annotations
 
@@ -91,3 +92,32 @@ def test_swap_out_hands_over_only_the_pages_redis_lacks() -> None:
             assert with_host.swap_out([b"\x01" * 16], [5]) == 0
         finally:
             with_host.close()
+
+
+def test_fetch_copies_pages_into_the_pool_as_they_arrive() -> None:
+    """A fetch given its device pages (`copy_into`) copies each batch from Redis into them on the
+    lookup thread: they hold the pages before `load`, which then copies nothing again."""
+    codec = PageCodec(SPEC, "float32", "e" * 32)
+    src = _filled(4)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    with private_redis() as url:
+        store = TieredStore(src, codec, 0, RedisTier(url, codec, ttl_s=60))
+        try:
+            store.save(hashes, [0, 1, 2, 3])
+            assert store.redis is not None and store.redis.flush(30)
+            dest = TieredStore(KVCache(SPEC, 8), codec, 0, RedisTier(url, codec, ttl_s=60))
+            try:
+                fetch = dest.fetch(hashes)
+                assert fetch is not None and fetch.remote is not None
+                fetch.copy_into([4, 5, 6, 7])
+                fetch.remote.result(timeout=30)
+                assert dest.kv_cache.read_pages([4, 5, 6, 7]).equal(src.read_pages([0, 1, 2, 3]))  # before load
+                assert fetch.take(expired=False) == 4
+                for layer in dest.kv_cache.layers:  # `load` must not copy these pages again
+                    layer[4:8].zero_()
+                fetch.load([4, 5, 6, 7])
+                assert not dest.kv_cache.read_pages([4, 5, 6, 7]).any()
+            finally:
+                dest.close()
+        finally:
+            store.close()

@@ -73,6 +73,9 @@ class _Delayed:
         n = int(self.fetch.take(expired))
         return 0 if expired and self.polls >= 0 else n
 
+    def copy_into(self, pages: list[int]) -> None:
+        self.fetch.copy_into(pages)
+
     def load(self, pages: list[int]) -> None:
         self.fetch.load(pages)
 

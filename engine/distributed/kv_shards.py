@@ -87,6 +87,9 @@ class ShardedFetch:
         host = min(host, self.count)
         return host, self.count - host
 
+    def copy_into(self, pages: list[int]) -> None:
+        self.local.copy_into(pages)  # rank 0's own; the other ranks copy theirs at `load`
+
     def load(self, pages: list[int]) -> None:
         self.local.load(pages)
         self.connector.ops.add(("load", self.fid, list(pages)))

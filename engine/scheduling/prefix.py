@@ -140,8 +140,11 @@ class PrefixLookup:
         if fetch.ready():  # what was at hand (host memory): exactly the pages that came back
             self._complete(req, fetch, expired=False, start=found, cap=room)
             return READY
-        # The fetch's pages are taken now: nothing else can reclaim them before it is admitted.
-        self.loading.append(_Loading(req, fetch, time.monotonic() + wait, found, self.pool.allocate(room)))
+        # The fetch's pages are taken now: nothing else can reclaim them before it is admitted,
+        # and the fetch may copy pages into them as they arrive.
+        pages = self.pool.allocate(room)
+        fetch.copy_into(pages)
+        self.loading.append(_Loading(req, fetch, time.monotonic() + wait, found, pages))
         return PARKED
 
     def _lookup_room(self, req: Request, n: int) -> int | None:
