@@ -257,10 +257,13 @@ def _spans_to_parts(spans: list[tuple[str, float, float]], ttft_s: float) -> dic
             inner = sum(
                 e - b for m, b, e in spans if m not in ("run", name, "copy into the pool") and t0 <= b and e <= t1
             )
-            times[name] = times.get(name, 0.0) + (t1 - t0) - (inner if name == "lookup" else 0.0)
+            # Redis batches are copied into the pool on the lookup thread as they arrive: inside the read.
+            copies = sum(e - b for m, b, e in spans if m == "copy into the pool" and t0 <= b and e <= t1)
+            own = {"lookup": inner, "tier read": copies, "decode + copy into the pool": copies}.get(name, 0.0)
+            times[name] = times.get(name, 0.0) + (t1 - t0) - own
     times.setdefault("tier read", 0.0)
     times.setdefault("copy into the pool", 0.0)
-    times["decode"] = times.pop("decode + copy into the pool", 0.0) - times["copy into the pool"]
+    times["decode"] = times.pop("decode + copy into the pool", 0.0)
     times["prefill of the new tokens"] = sum(t1 - t0 for t0, t1 in runs[:-1]) if len(runs) > 1 else 0.0
     times["first decode step"] = runs[-1][1] - runs[-1][0] if runs else 0.0
     times["ttft"] = ttft_s
