@@ -8,7 +8,8 @@ serialized, no bandwidth cap); the host tier on (holding every conversation) or 
 per cell: the share of each later turn's previous prompt + output served from cache (min and
 mean over later turns), TTFT p50/p95 of later turns against a cold prefill of a first prompt
 alone (same engine settings, measured first), bytes read from Redis, preemptions, restored pages
-left unused. The outputs of every cell are checked against the first cell's (greedy decoding:
+left unused, pages a lookup read from the Redis writer's queue and pages handed to it when
+their request was preempted. The outputs of every cell are checked against the first cell's (greedy decoding:
 the tokens must agree whatever was restored).
 
 Then the restore breakdown of a `--restore-tokens` turn (the previous turn's pages held only by
@@ -140,6 +141,8 @@ def run_cell(lm: Any, factor: int, delay_ms: int, host: bool, url: str, a: Any) 
         "first_ttft_p50_s": _pct(first, 0.5), "first_ttft_p95_s": _pct(first, 0.95),
         "redis_bytes_read": stats.get("redis", {}).get("loaded", 0) * value_bytes,
         "preemptions": snap.preemptions, "unused": stats.get("restored_unused", {}),
+        "redis_queue_hits": stats.get("redis", {}).get("queue_hits", 0),
+        "redis_swapped_out": stats.get("redis", {}).get("swapped_out", 0),
         "later": later, "outputs": outputs,
     }  # fmt: skip
 
@@ -318,7 +321,7 @@ def main() -> None:
     print(f"\ncold prefill of a {a.conv_tokens}-token first prompt alone: TTFT {cold * 1000:.0f} ms ({lm.dtype})")
     print(
         "pool  convs  Redis+  host  later turns cached  later TTFT p50 / p95 (x cold)  "
-        "first turns' TTFT p50 / p95  Redis MB  preempt  unused  agree"
+        "first turns' TTFT p50 / p95  Redis MB  preempt  unused  queue hits / swapped out  agree"
     )
     for c in cells:
         unused = sum(c["unused"].values())
@@ -329,7 +332,8 @@ def main() -> None:
             f"{c['ttft_p50_s'] * 1000:6.0f} / {c['ttft_p95_s'] * 1000:6.0f} ms "
             f"({c['ttft_p50_s'] / cold:.2f} / {c['ttft_p95_s'] / cold:.2f})  "
             f"{c['first_ttft_p50_s'] * 1000:6.0f} / {c['first_ttft_p95_s'] * 1000:6.0f} ms  "
-            f"{c['redis_bytes_read'] / 1e6:7.1f}  {c['preemptions']:7d}  {unused:6d}  {ok}"
+            f"{c['redis_bytes_read'] / 1e6:7.1f}  {c['preemptions']:7d}  {unused:6d}  "
+            f"{c['redis_queue_hits']:5d} / {c['redis_swapped_out']:5d}  {ok}"
         )
     print(f"\nrestore of a {a.restore_tokens}-token turn (+{a.new_tokens} new tokens), seconds:")
     for b in breakdown:
