@@ -100,7 +100,7 @@ def run_cell(lm: Any, factor: int, delay_ms: int, host: bool, url: str, a: Any) 
 
     vocab = lm.config.vocab_size
     conv_pages = -(-(a.conv_tokens + a.turns * (a.new_tokens + a.output_tokens)) // PAGE) + 1
-    pool_pages = a.pool_convs * conv_pages
+    pool_pages = a.pool_pages or a.pool_convs * conv_pages
     n = factor * a.pool_convs
     proxy = DelayProxy(url, delay_ms / 1000.0, lifetime_s=900) if delay_ms else None
     runner = Runner(lm, pool_pages, n * conv_pages + 8 if host else 0, proxy.url if proxy else url, a)
@@ -282,6 +282,9 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--pool-convs", type=int, default=2)
+    p.add_argument(
+        "--pool-pages", type=int, default=0, help="device pool in pages (default: --pool-convs whole conversations)"
+    )
     p.add_argument("--factors", default="2,4,8")
     p.add_argument("--delays-ms", default="0,5,50")
     p.add_argument("--hosts", default="off,on")
