@@ -8,7 +8,8 @@ serialized, no bandwidth cap); the host tier on (holding every conversation) or 
 per cell: the share of each later turn's previous prompt + output served from cache (min and
 mean over later turns), TTFT p50/p95 of later turns against a cold prefill of a first prompt
 alone (same engine settings, measured first), bytes read from Redis, preemptions, restored pages
-left unused. The outputs of every cell are checked against the first cell's (greedy decoding:
+left unused, pages a lookup read from the Redis writer's queue and pages handed to it when
+their request was preempted. The outputs of every cell are checked against the first cell's (greedy decoding:
 the tokens must agree whatever was restored).
 
 Then the restore breakdown of a `--restore-tokens` turn (the previous turn's pages held only by
@@ -99,7 +100,7 @@ def run_cell(lm: Any, factor: int, delay_ms: int, host: bool, url: str, a: Any) 
 
     vocab = lm.config.vocab_size
     conv_pages = -(-(a.conv_tokens + a.turns * (a.new_tokens + a.output_tokens)) // PAGE) + 1
-    pool_pages = a.pool_convs * conv_pages
+    pool_pages = a.pool_pages or a.pool_convs * conv_pages
     n = factor * a.pool_convs
     proxy = DelayProxy(url, delay_ms / 1000.0, lifetime_s=900) if delay_ms else None
     runner = Runner(lm, pool_pages, n * conv_pages + 8 if host else 0, proxy.url if proxy else url, a)
@@ -140,6 +141,8 @@ def run_cell(lm: Any, factor: int, delay_ms: int, host: bool, url: str, a: Any) 
         "first_ttft_p50_s": _pct(first, 0.5), "first_ttft_p95_s": _pct(first, 0.95),
         "redis_bytes_read": stats.get("redis", {}).get("loaded", 0) * value_bytes,
         "preemptions": snap.preemptions, "unused": stats.get("restored_unused", {}),
+        "redis_queue_hits": stats.get("redis", {}).get("queue_hits", 0),
+        "redis_swapped_out": stats.get("redis", {}).get("swapped_out", 0),
         "later": later, "outputs": outputs,
     }  # fmt: skip
 
@@ -257,10 +260,13 @@ def _spans_to_parts(spans: list[tuple[str, float, float]], ttft_s: float) -> dic
             inner = sum(
                 e - b for m, b, e in spans if m not in ("run", name, "copy into the pool") and t0 <= b and e <= t1
             )
-            times[name] = times.get(name, 0.0) + (t1 - t0) - (inner if name == "lookup" else 0.0)
+            # Redis batches are copied into the pool on the lookup thread as they arrive: inside the read.
+            copies = sum(e - b for m, b, e in spans if m == "copy into the pool" and t0 <= b and e <= t1)
+            own = {"lookup": inner, "tier read": copies, "decode + copy into the pool": copies}.get(name, 0.0)
+            times[name] = times.get(name, 0.0) + (t1 - t0) - own
     times.setdefault("tier read", 0.0)
     times.setdefault("copy into the pool", 0.0)
-    times["decode"] = times.pop("decode + copy into the pool", 0.0) - times["copy into the pool"]
+    times["decode"] = times.pop("decode + copy into the pool", 0.0)
     times["prefill of the new tokens"] = sum(t1 - t0 for t0, t1 in runs[:-1]) if len(runs) > 1 else 0.0
     times["first decode step"] = runs[-1][1] - runs[-1][0] if runs else 0.0
     times["ttft"] = ttft_s
@@ -276,6 +282,9 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--pool-convs", type=int, default=2)
+    p.add_argument(
+        "--pool-pages", type=int, default=0, help="device pool in pages (default: --pool-convs whole conversations)"
+    )
     p.add_argument("--factors", default="2,4,8")
     p.add_argument("--delays-ms", default="0,5,50")
     p.add_argument("--hosts", default="off,on")
@@ -315,7 +324,7 @@ def main() -> None:
     print(f"\ncold prefill of a {a.conv_tokens}-token first prompt alone: TTFT {cold * 1000:.0f} ms ({lm.dtype})")
     print(
         "pool  convs  Redis+  host  later turns cached  later TTFT p50 / p95 (x cold)  "
-        "first turns' TTFT p50 / p95  Redis MB  preempt  unused  agree"
+        "first turns' TTFT p50 / p95  Redis MB  preempt  unused  queue hits / swapped out  agree"
     )
     for c in cells:
         unused = sum(c["unused"].values())
@@ -326,7 +335,8 @@ def main() -> None:
             f"{c['ttft_p50_s'] * 1000:6.0f} / {c['ttft_p95_s'] * 1000:6.0f} ms "
             f"({c['ttft_p50_s'] / cold:.2f} / {c['ttft_p95_s'] / cold:.2f})  "
             f"{c['first_ttft_p50_s'] * 1000:6.0f} / {c['first_ttft_p95_s'] * 1000:6.0f} ms  "
-            f"{c['redis_bytes_read'] / 1e6:7.1f}  {c['preemptions']:7d}  {unused:6d}  {ok}"
+            f"{c['redis_bytes_read'] / 1e6:7.1f}  {c['preemptions']:7d}  {unused:6d}  "
+            f"{c['redis_queue_hits']:5d} / {c['redis_swapped_out']:5d}  {ok}"
         )
     print(f"\nrestore of a {a.restore_tokens}-token turn (+{a.new_tokens} new tokens), seconds:")
     for b in breakdown:

@@ -7,8 +7,10 @@ off the step thread and the request waits in a loading state until `ready()` (or
 deadline). `take` then says how many pages arrived (from `offset` on) and `load` copies them
 into freshly allocated device pages. Full pages computed by the engine
 are offered to `save` (write-behind: it must never block the step), pages matched in the
-device pool are offered to `touch` (an outer tier keeps them alive), and pages whose device
-memory is about to be reused are offered to `evict` (the host tier keeps a copy).
+device pool are offered to `touch` (an outer tier keeps them alive), pages whose device
+memory is about to be reused are offered to `evict` (the host tier keeps a copy), and a
+preempted request's pages, before they are freed, to `swap_out` (Redis keeps a copy when it
+is the only tier).
 `kvstore.tiers.TieredStore` provides the host and Redis tiers; `NoConnector` has nothing.
 
 The deadline of a lookup comes from its cost (`lookup_plan`): a request waits for a tier
@@ -50,6 +52,10 @@ class PendingFetch(Protocol):
         """Ends the lookup: how many leading pages can be loaded. With `expired`, only what
         is already at hand counts (a lookup past its deadline is a miss)."""
 
+    def copy_into(self, pages: list[int]) -> None:
+        """The device pages taken for this fetch (as many as hashes it was given): pages may be
+        copied into them as they arrive, until `take`; `load` is then given a prefix of them."""
+
     def load(self, pages: list[int]) -> None:
         """Copy the first `len(pages)` fetched pages into these device pages."""
 
@@ -77,6 +83,11 @@ class KVConnector(Protocol):
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         """Offer full, computed device pages for storage (must not block the step)."""
 
+    def swap_out(self, page_hashes: list[bytes], pages: list[int]) -> int:
+        """A preempted request's full pages, named by these hashes, are about to be freed: keep a
+        copy in a lower tier, if one would not already have it (must not block the step).
+        Returns how many pages were copied."""
+
     def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
         """These device pages, named by these hashes in the pool, were matched and are used
         again (must not block the step). Until `evict` names a page, it holds its hash's KV."""
@@ -101,6 +112,9 @@ class NoConnector:
 
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         return None
+
+    def swap_out(self, page_hashes: list[bytes], pages: list[int]) -> int:
+        return 0
 
     def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
         return None

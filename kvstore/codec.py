@@ -4,22 +4,28 @@ Value layout: `<u32 little-endian header length><msgpack header><payload>`. The 
 all layers' K and V of one page, `[num_layers, 2, page_size, num_kv_heads, head_dim]`, in the
 storage dtype; for int8 it is followed by float32 scales `[num_layers, 2, num_kv_heads]`
 (one per page, layer, K/V and head: absmax / 127). A value whose header names another
-namespace, page, dtype or shape, whose length is wrong, or whose crc32 does not match, is
+namespace, page, dtype or shape, whose length is wrong, or whose checksum does not match, is
 rejected with `BadPage`: wrong KV is never used.
+
+The checksum is xxh3-64 (format 2; format 1 used zlib's crc32): it catches the same damage
+(a flipped, torn or truncated value; keys and headers already name the page) with 64 bits
+instead of 32, at about 13 GB/s against crc32's 2.6-4.8 GB/s here, which made the check of a
+restored 2k-token history (47 MB) cost 10-18 ms of its read. It guards against accidents, not
+an adversary who can write to the KV Redis.
 """
 
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Sequence
 
 import msgspec
 import torch
+import xxhash
 
 from kvstore.spec import KVSpec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _LEN = struct.Struct("<I")
 
 # A page's payload as it is passed around: bytes, a buffer filled in place, or a view into
@@ -38,7 +44,7 @@ class PageHeader(msgspec.Struct, array_like=True, frozen=True):
     dtype: str  # storage dtype of the payload
     shape: tuple[int, ...]  # [num_layers, 2, page_size, num_kv_heads, head_dim]
     payload_len: int
-    crc32: int
+    checksum: int  # xxh3-64 of the payload
 
 
 _decoder = msgspec.msgpack.Decoder(PageHeader)
@@ -104,9 +110,8 @@ class PageCodec:
         return [_bytes(qi) + _bytes(si) for qi, si in zip(q, scales, strict=True)]
 
     def encode(self, page_hash: bytes, payload: Payload) -> bytes:
-        header = PageHeader(
-            FORMAT_VERSION, self.namespace, page_hash, self.kv_dtype, self.shape, len(payload), zlib.crc32(payload)
-        )
+        digest = xxhash.xxh3_64_intdigest(payload)
+        header = PageHeader(FORMAT_VERSION, self.namespace, page_hash, self.kv_dtype, self.shape, len(payload), digest)
         raw = msgspec.msgpack.encode(header)
         return b"".join((_LEN.pack(len(raw)), raw, payload))
 
@@ -126,7 +131,7 @@ class PageCodec:
         payload = memoryview(value)[_LEN.size + n :]
         if len(payload) != self.payload_len:
             raise BadPage(f"payload of {len(payload)} bytes, expected {self.payload_len}")
-        if zlib.crc32(payload) != header.crc32:
+        if xxhash.xxh3_64_intdigest(payload) != header.checksum:
             raise BadPage("payload checksum mismatch")
         return payload
 

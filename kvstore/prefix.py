@@ -19,8 +19,9 @@ import msgspec
 
 ROOT = b""  # the parent of a sequence's first page
 # The layout and meaning of a stored page (K after RoPE, V, the page order of the payload).
-# Raise it whenever the engine changes what a page holds: pages of older versions then miss.
-KV_FORMAT_VERSION = 1
+# Raise it whenever the engine changes what a page holds or how it is stored: pages of older
+# versions then miss (rather than being read and rejected). 2: page values checked by xxh3-64.
+KV_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import redis
 import torch
@@ -91,9 +92,10 @@ class RedisTier:
     def writable(self) -> bool:
         return self.writer.writable()
 
-    def save(self, page_hashes: list[bytes], pages: torch.Tensor) -> None:
-        """Queue pages [N, L, 2, P, H, D] (a copy, model dtype) for writing; never blocks."""
-        self.writer.save(page_hashes, pages)
+    def save(self, page_hashes: list[bytes], pages: torch.Tensor) -> bool:
+        """Queue pages [N, L, 2, P, H, D] (a copy, model dtype) for writing; never blocks.
+        False if they were dropped (queue full, writes down)."""
+        return self.writer.save(page_hashes, pages)
 
     def touch(self, page_hashes: list[bytes]) -> None:
         """These pages were used again: refresh their TTL (at most once per `refresh_s`)."""
@@ -127,14 +129,23 @@ class RedisTier:
         except redis.RedisError:
             pass  # an unreachable Redis shows itself on the first read or write
 
-    # ---- reads (lookup thread) ----    # ---- reads (lookup thread) ----
+    # ---- reads (lookup thread) ----
 
-    def get_prefix(self, page_hashes: list[bytes], out: list[Payload], cancel: threading.Event) -> None:
-        """Append to `out` the verified payloads of the leading pages found, batch by batch, so
-        that a caller out of time can use what has arrived; stops at the first missing or bad
-        page, or when `cancel` is set. A missing page marked pending (its turn committed
-        before its writer was done: `RedisWriter.commit_wait`) is waited for until it lands,
-        the mark goes, `cancel` is set (the caller's deadline) or `PENDING_WAIT_S` passes."""
+    def get_prefix(
+        self,
+        page_hashes: list[bytes],
+        out: list[Payload],
+        cancel: threading.Event,
+        on_batch: Callable[[], None] | None = None,
+    ) -> None:
+        """Append to `out` the verified payloads of the leading pages found (in the writer's
+        queue, not yet written, or in Redis), batch by batch, so that a caller out of time can
+        use what has arrived; stops at the first missing or bad page, or when `cancel` is set.
+        A missing page marked pending (its turn committed before its writer was done:
+        `RedisWriter.commit_wait`) is waited for until it lands, the mark goes, `cancel` is set
+        (the caller's deadline) or `PENDING_WAIT_S` passes. `on_batch` is called after each
+        batch's pages are appended (the caller copies them on while the next batch is read)."""
+        ledger = self.writer.ledger
         try:
             start = 0
             waited_until = 0.0
@@ -142,10 +153,23 @@ class RedisTier:
                 if cancel.is_set():
                     return
                 hashes = page_hashes[start : start + self.pages_per_read]
-                t0 = time.monotonic()
-                values: list[bytes | None] = mget(self._reader, [self.key(h) for h in hashes])
-                self.link.observe(sum(len(v) for v in values if v is not None), time.monotonic() - t0)
-                for h, value in zip(hashes, values, strict=True):
+                # The writer's queue first, Redis second: a page leaves the queue only once stored.
+                queued = [ledger.queued(h) for h in hashes]
+                keys = [self.key(h) for h, q in zip(hashes, queued, strict=True) if q is None]
+                values: list[bytes | None] = []
+                if keys:
+                    t0 = time.monotonic()
+                    values = mget(self._reader, keys)
+                    self.link.observe(sum(len(v) for v in values if v is not None), time.monotonic() - t0)
+                remote = iter(values)
+                for h, page in zip(hashes, queued, strict=True):
+                    if page is not None:
+                        out.append(self.codec.payloads(page[None])[0])
+                        self.counters.queue_hits += 1
+                        waited_until = 0.0
+                        start += 1
+                        continue
+                    value = next(remote)
                     if value is None:
                         if waited_until == 0.0 and self._reader.exists(self.key(h) + ":pending"):
                             self.counters.pending_waited += 1
@@ -168,8 +192,11 @@ class RedisTier:
                         log.warning("dropped KV page %s from Redis: %s", h.hex(), e)
                         return
                     out.append(payload)
+                    ledger.mark_stored([h])
                     self.counters.found += 1
                     start += 1
+                if on_batch is not None:
+                    on_batch()
         except redis.RedisError as e:
             self.counters.read_failures += 1
             was_up = self.readable()
@@ -178,18 +205,22 @@ class RedisTier:
                 log.warning("KV Redis lookups off for %.0f s (%s); recomputing instead", self.retry_s, e)
 
     def exists(self, page_hashes: list[bytes]) -> list[bool]:
-        """Which of these pages exist (pipelined EXISTS; values not read); on an error, the rest
-        count as missing (the tier's health is left to the real lookups)."""
+        """Which of these pages exist (in the writer's queue, else a pipelined EXISTS; values not
+        read); on an error, the rest count as missing (the tier's health is left to the real
+        lookups)."""
+        queued = [self.writer.ledger.queued(h) is not None for h in page_hashes]
+        asked = [h for h, q in zip(page_hashes, queued, strict=True) if not q]
         found: list[bool] = []
         try:
-            for start in range(0, len(page_hashes), KEYS_PER_PIPELINE):
+            for start in range(0, len(asked), KEYS_PER_PIPELINE):
                 pipe = self._reader.pipeline(transaction=False)
-                for h in page_hashes[start : start + KEYS_PER_PIPELINE]:
+                for h in asked[start : start + KEYS_PER_PIPELINE]:
                     pipe.exists(self.key(h))
                 found += [bool(n) for n in pipe.execute()]
         except redis.RedisError:
             pass
-        return found + [False] * (len(page_hashes) - len(found))
+        answers = iter(found + [False] * (len(asked) - len(found)))
+        return [q or next(answers) for q in queued]
 
     def close(self) -> None:
         self.writer.close()

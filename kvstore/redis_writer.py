@@ -3,7 +3,9 @@
 `save` only queues a snapshot of the pages; the writer thread encodes them (header +
 checksum, int8 if asked) and sends them in pipelines of `SET ... EX ttl` of at most
 `BATCH_BYTES`, usually within milliseconds of the page filling. The queue is bounded in
-bytes (`max_pending_bytes`): past it new pages are dropped, never waited for.
+bytes (`max_pending_bytes`): past it new pages are dropped, never waited for. Until a page's
+`SET` has answered, lookups read the queued copy (`PageLedger`): a request that comes back
+within milliseconds finds its pages all the same.
 
 Lifetime: a page's TTL is refreshed (pipelined `EXPIRE`) whenever the engine uses it again,
 at most once per `refresh_s`, so a conversation in use never expires. An `EXPIRE` that finds
@@ -34,6 +36,7 @@ import redis
 import torch
 
 from kvstore.codec import PageCodec
+from kvstore.page_ledger import PageLedger
 from kvstore.transfer_estimate import TransferEstimate
 
 log = logging.getLogger("longctx.kv.redis")
@@ -61,6 +64,8 @@ class RedisCounters:
     commit_wait_timeouts: int = 0  # of those, waits that ended at the bound (pages marked pending)
     pending_marked: int = 0  # pages marked pending in Redis at such a bound
     pending_waited: int = 0  # lookups that found a pending mark and waited for the page
+    queue_hits: int = 0  # pages a lookup took from the writer's queue (not yet written)
+    swapped_out: int = 0  # pages handed to the writer when their request was preempted
 
 
 class _Save(NamedTuple):
@@ -123,6 +128,7 @@ class RedisWriter:
         self._done_seqs: set[int] = set()  # saves written or dropped, above _done_below
         self._done_below = 1  # every save with a lower seq is done
         self._queued: dict[int, list[bytes]] = {}  # seq -> hashes of saves not yet done
+        self.ledger = PageLedger()  # queued pages (readable by lookups) and pages known stored
         self._thread = threading.Thread(target=self._write_loop, name="longctx-kv-writer", daemon=True)
         self._thread.start()
 
@@ -135,13 +141,14 @@ class RedisWriter:
         if was_up:
             log.warning("KV Redis writes off for %.0f s (%s); lookups go on", self.retry_s, e)
 
-    def save(self, page_hashes: list[bytes], pages: torch.Tensor) -> None:
-        """Queue pages [N, L, 2, P, H, D] (a copy, model dtype) for writing; never blocks."""
+    def save(self, page_hashes: list[bytes], pages: torch.Tensor) -> bool:
+        """Queue pages [N, L, 2, P, H, D] (a copy, model dtype) for writing; never blocks.
+        False if they were dropped (queue full, writes down)."""
         num_bytes = pages.numel() * pages.element_size()
         with self._lock:
             if not self.writable() or self._pending_bytes + num_bytes > self.max_pending_bytes:
                 self.counters.dropped += len(page_hashes)
-                return
+                return False
             self._pending_bytes += num_bytes
             self._pending_items += 1
             self._idle.clear()
@@ -151,7 +158,9 @@ class RedisWriter:
             self._queued_seq += 1
             seq = self._queued_seq
             self._queued[seq] = page_hashes
+            self.ledger.queue(seq, page_hashes, pages)
         self._queue.put(_Save(page_hashes, pages, num_bytes, seq))
+        return True
 
     def touch(self, page_hashes: list[bytes]) -> None:
         """These pages were used again: refresh the TTL of those not refreshed for `refresh_s`
@@ -199,11 +208,17 @@ class RedisWriter:
                 size += nxt.num_bytes if isinstance(nxt, _Save) else 0
             saves = [b for b in batch if isinstance(b, _Save)]
             touches = [h for b in batch if isinstance(b, _Touch) for h in b.hashes]
+            stored: list[bool] = []
             try:
-                self._write(saves)
+                stored = self._write(saves)
                 self._refresh(touches)
             except Exception as e:  # never let the writer thread die
                 log.exception("KV writer: %s", e)
+            stored += [False] * (sum(len(b.hashes) for b in saves) - len(stored))  # cut short: not stored
+            start = 0
+            for b in saves:  # out of the queue only now: a lookup meets each page in one or the other
+                self.ledger.settle(b.seq, b.hashes, stored[start : start + len(b.hashes)])
+                start += len(b.hashes)
             with self._lock:
                 self._pending_bytes -= size
                 self._pending_items -= len(batch)
@@ -249,16 +264,17 @@ class RedisWriter:
             except redis.RedisError as e:
                 return [e] * n
 
-    def _write(self, saves: list[_Save]) -> None:
-        """SET every page, in pipelines of at most BATCH_BYTES."""
+    def _write(self, saves: list[_Save]) -> list[bool]:
+        """SET every page, in pipelines of at most BATCH_BYTES; which pages were stored."""
         pending: list[tuple[bytes, bytes]] = []
         for item in saves:
             pending += zip(item.hashes, self.codec.payloads(item.pages), strict=True)
+        stored: list[bool] = []
         start = 0
         while start < len(pending):
             if not self.writable():
                 self.counters.dropped += len(pending) - start
-                return
+                return stored + [False] * (len(pending) - start)
             values: list[tuple[str, bytes]] = []
             num_bytes = 0
             end = start
@@ -269,6 +285,7 @@ class RedisWriter:
                 num_bytes += len(value)
                 end += 1
             results = self._set_resending(values, num_bytes)
+            stored += [not isinstance(r, Exception) for r in results]
             errors = [r for r in results if isinstance(r, Exception)]
             self.counters.written += len(results) - len(errors)
             if errors:  # e.g. OOM under noeviction: writes stop for a while, reads go on
@@ -276,6 +293,7 @@ class RedisWriter:
                 self.counters.dropped += len(errors)
                 self._failed(errors[0])
             start = end
+        return stored
 
     def _refresh(self, hashes: list[bytes]) -> None:
         """Pipelined EXPIRE; a page whose key is gone is written again if `rewrite` has it."""
@@ -297,12 +315,15 @@ class RedisWriter:
                     self._refreshed.pop(h, None)
             return
         gone = [h for h, ok in zip(hashes, results, strict=True) if not ok]
+        self.ledger.mark_stored([h for h, ok in zip(hashes, results, strict=True) if ok])
+        self.ledger.forget(gone)
         self.counters.refreshed += len(hashes) - len(gone)
         self.counters.absent += len(gone)
         copy = self.rewrite(gone) if gone and self.rewrite is not None else None
         if copy is not None:
             written = self.counters.written
-            self._write([_Save(copy[0], copy[1], 0)])
+            ok = self._write([_Save(copy[0], copy[1], 0)])
+            self.ledger.mark_stored([h for h, o in zip(copy[0], ok, strict=True) if o])
             self.counters.rewritten += self.counters.written - written
         again = set(copy[0]) if copy is not None else set()
         with self._lock:  # those not written again: look again on the next use

@@ -5,6 +5,10 @@ host tier (its own byte budget, LRU); full pages computed by the engine are writ
 to Redis. A lookup takes the leading pages found in host memory at once, and asks Redis for
 the rest on a background thread; the engine admits the request when that completes.
 
+A request preempted with Redis as the only lower tier hands the writer its pages that Redis
+lacks before they are freed (`swap_out`), and until the writer has stored a page, lookups read
+its queued copy (`kvstore.page_ledger`): a swap, not a recompute.
+
 Pages used again (matched in the device pool by hash, or restored from host memory or Redis
 and named there by the scheduler) are `touch`ed: their Redis TTL
 is refreshed, and those Redis turned out not to have (expired,
@@ -86,7 +90,12 @@ class HostTier:
 
 
 class _Fetch:
-    """One lookup: host payloads at hand, Redis payloads (verified) arriving batch by batch."""
+    """One lookup: host payloads at hand, Redis payloads (verified) arriving batch by batch.
+
+    Given the device pages it will fill (`copy_into`, on a CPU cache), the lookup thread copies
+    each batch from Redis into them as it arrives, while the next batch is read: the copy no
+    longer follows the whole read. `take` stops it (waiting for a batch copy under way), so no
+    page is written once the scheduler may free it."""
 
     def __init__(self, store: TieredStore, host: list[Payload]):
         self.store = store
@@ -96,14 +105,37 @@ class _Fetch:
         self.cancel = threading.Event()
         self.payloads: list[Payload] = []
         self.offset = 0  # a tail fetch: index of its first page in the hashes it was given
+        self._dest: list[int] = []  # device pages for host + arrived payloads, in order
+        self._copied = 0  # arrived payloads already copied into _dest[len(host):]
+        self._lock = threading.Lock()
 
     def ready(self) -> bool:
         return self.remote is None or self.remote.done()
 
+    def copy_into(self, pages: list[int]) -> None:
+        """(step thread) The device pages taken for this fetch: Redis pages may be copied into
+        them as they arrive (CPU cache, page images only; else all at `load`)."""
+        if self.store.codec.as_image and self.store.kv_cache.has_images:
+            with self._lock:
+                self._dest = pages
+            self.copy_arrived()  # what arrived before the pages were taken
+
+    def copy_arrived(self) -> None:
+        """(lookup thread, after each batch) Copy what arrived since into its device pages."""
+        with self._lock:
+            if self.cancel.is_set() or not self._dest:
+                return
+            h = len(self.host)
+            n = min(len(self.arrived), len(self._dest) - h)
+            if n > self._copied:
+                self.store.write(self._dest[h + self._copied : h + n], self.arrived[self._copied : n])
+                self._copied = n
+
     def take(self, expired: bool) -> int:
         """With `expired`, the pages that arrived in time are used and the lookup is stopped."""
         self.cancel.set()
-        self.payloads = self.host + self.arrived[:]  # a snapshot: the lookup thread may still append
+        with self._lock:  # a batch copy under way ends first; none starts after
+            self.payloads = self.host + self.arrived[:]  # a snapshot: the lookup thread may still append
         return len(self.payloads)
 
     def sources(self) -> tuple[int, int]:
@@ -117,7 +149,14 @@ class _Fetch:
         self.store.host.counters.hits += n_host
         if self.store.redis is not None:
             self.store.redis.counters.loaded += len(pages) - n_host
-        self.store.write(pages, self.payloads[: len(pages)])
+        h = len(self.host)
+        done = h + self._copied  # pages [h, done) were copied as they arrived
+        if self._copied and len(pages) > h:
+            assert pages[h : min(done, len(pages))] == self._dest[h : min(done, len(pages))]
+        if pages[:h]:
+            self.store.write(pages[:h], self.payloads[:h])
+        if pages[done:]:
+            self.store.write(pages[done:], self.payloads[done : len(pages)])
         # Not touched here: the scheduler touches the pages it could name; one it could not name
         # would be reused without `evict`, so its page number must not be kept.
 
@@ -153,7 +192,9 @@ class TieredStore:
         fetch = _Fetch(self, host)
         rest = page_hashes[len(host) :]
         if rest and remote and self.redis is not None and self._lookups is not None and self.redis.readable():
-            fetch.remote = self._lookups.submit(self.redis.get_prefix, rest, fetch.arrived, fetch.cancel)
+            fetch.remote = self._lookups.submit(
+                self.redis.get_prefix, rest, fetch.arrived, fetch.cancel, fetch.copy_arrived
+            )
         return fetch
 
     def fetch_tail(
@@ -216,6 +257,21 @@ class TieredStore:
             self.redis.counters.dropped += len(pages)  # writes are down: no copy is taken
             return
         self.redis.save(page_hashes, self.kv_cache.read_pages(pages))
+
+    def swap_out(self, page_hashes: list[bytes], pages: list[int]) -> int:
+        """A preempted request's pages are about to be freed. With Redis the only tier below
+        the pool, hand the writer a copy (taken now, before their memory can be reused) of
+        those it neither holds queued nor knows stored: dropped when they were computed (queue
+        full, writes down). With a host tier, `evict` copies them when their memory is reused.
+        Returns how many pages were handed over."""
+        redis = self.redis
+        if redis is None or self.host.budget_bytes > 0 or not redis.writable():
+            return 0
+        todo = [(h, p) for h, p in zip(page_hashes, pages, strict=True) if not redis.writer.ledger.holds(h)]
+        if not todo or not redis.save([h for h, _ in todo], self.kv_cache.read_pages([p for _, p in todo])):
+            return 0
+        redis.counters.swapped_out += len(todo)
+        return len(todo)
 
     def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
         """Device pages named by these hashes in the pool (matched there, so `evict` will be

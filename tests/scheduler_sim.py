@@ -55,6 +55,9 @@ class FakeFetch:
         self.took = self.found
         return self.found
 
+    def copy_into(self, pages: list[int]) -> None:
+        assert not self.taken
+
     def load(self, pages: list[int]) -> None:
         assert self.taken and len(pages) <= self.found
         self.loaded = len(pages)
@@ -105,6 +108,9 @@ class FakeConnector:
 
     def fetch_cost_s(self, num_pages: int) -> float:
         return 1e6  # slow, but recomputing in the Sim is slower still: wait up to the timeout
+
+    def swap_out(self, page_hashes: list[bytes], pages: list[int]) -> int:
+        return 0
 
     def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
         return None

@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.redis_server import shared_redis
+from tests.redis_server import private_redis, shared_redis
 from tests.tier_sim import SPEC, DelayedTier, TierSim, Turn, conversation_turns, out_token
 
 PAGE_BYTES = SPEC.bytes_per_page
@@ -89,21 +90,39 @@ def test_later_turns_find_their_history_under_pressure(
     assert any(f"request {later[0].id} admitted: " in line and "recomputed" in line for line in lines)
 
 
-def test_preempted_requests_come_back_restored() -> None:
+@pytest.mark.parametrize("tier", ["host", "redis", "redis-queued"])
+def test_preempted_requests_come_back_restored(tier: str) -> None:
     """Long outputs outgrow a pool admitted by prompts: the newest running request is preempted,
-    its pages freed to the pool (named), the others reuse that memory (its pages go to the host
-    tier), and it resumes from its pages (revived, or read back from the host tier), not from
-    scratch. (With Redis alone, pages still queued for writing when their memory is reused are
-    recomputed: the write-behind does not hold a preempted request's pages.)"""
-    sim = TierSim(30, 32, host_bytes=200 * PAGE_BYTES)
-    try:
-        reqs = [sim.add(f"r{i}", _doc(i, 150), 150) for i in range(4)]  # two outgrow the pool together
-        sim.run(reqs, out_token)
-    finally:
-        sim.close()
+    its pages freed to the pool (named), the others reuse that memory, and it resumes from its
+    pages (revived, or read back), not from scratch. `host`: its pages go to the host tier when
+    their memory is reused. `redis` (the only tier): they were written behind when computed, and
+    any Redis lacks are handed to the writer before they are freed. `redis-queued`: Redis's
+    writes are paused, so every page is still in the writer's queue when the request comes back,
+    and the lookup reads it there."""
+    with private_redis() as url:
+        admin = redis.Redis.from_url(url)
+        if tier == "redis-queued":
+            admin.execute_command("CLIENT", "PAUSE", "30000", "WRITE")
+        host = 200 * PAGE_BYTES if tier == "host" else 0
+        sim = TierSim(30, 32, host_bytes=host, redis_url=None if tier == "host" else url)
+        try:
+            reqs = [sim.add(f"r{i}", _doc(i, 150), 150) for i in range(4)]  # two outgrow the pool together
+            sim.run(reqs, out_token)
+            written = sim.store.redis.counters.written if sim.store.redis is not None else 0
+        finally:
+            admin.execute_command("CLIENT", "UNPAUSE")
+            sim.close()
     assert sim.sched.num_preemptions > 0 and sim.readmitted, "no request was preempted and resumed"
     lost = [(rid, at, had) for rid, at, had in sim.readmitted if at < 0.9 * (had - SPEC.page_size)]
     assert not lost, f"resumed far behind what they had computed (id, resumed at, had): {lost}"
+    resumed = [r for r in reqs if r.num_preemptions]
+    assert any(r.found_host_tokens + r.found_redis_tokens > 0 for r in resumed)  # read back, not only revived
+    if tier != "host":
+        assert sim.store.redis is not None
+        counters = sim.store.redis.counters
+        assert counters.loaded > 0
+        if tier == "redis-queued":
+            assert counters.queue_hits > 0 and written == 0
 
 
 def test_host_tier_alone_serves_later_turns() -> None:
@@ -163,11 +182,13 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     )  # fmt: skip
 
 
-def _run(sc: Scenario) -> tuple[TierSim, list[list[Turn]]]:
+def _run(sc: Scenario, redis_url: str | None = None, redis_prefix: str = "kv") -> tuple[TierSim, list[list[Turn]]]:
+    """With `redis_url`, Redis is the only tier below the pool; else host memory."""
     delays = itertools.cycle(sc.delays)
     total_pages = sum(-(-(len(d) + sc.turns * (sc.max_tokens + sc.new_tokens)) // SPEC.page_size) for d in sc.docs)
     sim = TierSim(
-        sc.num_pages, sc.budget, host_bytes=2 * total_pages * PAGE_BYTES, max_num_seqs=sc.max_num_seqs,
+        sc.num_pages, sc.budget, host_bytes=0 if redis_url else 2 * total_pages * PAGE_BYTES,
+        redis_url=redis_url, redis_prefix=redis_prefix, max_num_seqs=sc.max_num_seqs,
         # Fetches are ready after a number of polls, not of seconds: a recompute estimate of a
         # minute keeps the cost-based deadline from expiring a fetch on a loaded machine.
         lookup_timeout_s=1e9, delay=lambda: next(delays), recompute_s=lambda n: 60.0,
@@ -184,10 +205,7 @@ def _run(sc: Scenario) -> tuple[TierSim, list[list[Turn]]]:
     return sim, history
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)
-@given(scenarios())
-def _reuse_under_pressure(sc: Scenario) -> None:
-    sim, history = _run(sc)
+def _check(sim: TierSim, history: list[list[Turn]]) -> None:
     _assert_reused(history)  # every later turn got >= 90% of its previous prompt + output
     assert sim.pool.num_free == sim.pool.num_pages and not any(sim.pool.ref_counts), "references left"
     assert not sim.sched.has_work and not sim.sched._pinned
@@ -195,9 +213,16 @@ def _reuse_under_pressure(sc: Scenario) -> None:
     assert isinstance(sim.connector, DelayedTier)
     assert all(f.fetch.payloads is not None and f.fetch.cancel.is_set() for f in sim.connector.fetches)
     STATS["examples"] += 1
-    STATS["restored"] += sim.store.host.counters.hits > 0
+    redis = sim.store.redis
+    STATS["restored"] += (redis.counters.loaded if redis is not None else sim.store.host.counters.hits) > 0
     STATS["delayed"] += bool(sim.connector.fetches)
     STATS["preempted_or_unpinned"] += bool(sim.sched.num_preemptions or sim.sched.num_unpinned)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)
+@given(scenarios())
+def _reuse_under_pressure(sc: Scenario) -> None:
+    _check(*_run(sc))
 
 
 def test_reuse_under_pressure_random() -> None:
@@ -212,4 +237,28 @@ def test_reuse_under_pressure_random() -> None:
     assert STATS["restored"] >= 0.7 * n and STATS["delayed"] >= 0.5 * n, STATS
     # pressure: running ones took pages back. How many scenarios reach it depends on when the fetch
     # threads finish: 91 of 300 on an idle machine, 58 in a loaded full run (two workers)
+    assert STATS["preempted_or_unpinned"] >= 0.15 * n, STATS
+
+
+REDIS_EXAMPLES = 100
+_redis_examples = itertools.count()
+
+
+def test_reuse_under_pressure_random_redis_only(kv_redis: tuple[str, str]) -> None:
+    """The same scenarios with Redis as the only tier below the pool (no host memory): pages
+    preempted or given up come back from Redis or from the writer's queue (never written yet),
+    with the same guarantees. Each scenario has its own key prefix: nothing is found that an
+    earlier one wrote."""
+    url, prefix = kv_redis
+
+    @settings(max_examples=REDIS_EXAMPLES, deadline=None, derandomize=True, database=None)
+    @given(scenarios())
+    def reuse(sc: Scenario) -> None:
+        _check(*_run(sc, url, f"{prefix}:{next(_redis_examples)}"))
+
+    STATS.update(examples=0, restored=0, delayed=0, preempted_or_unpinned=0)
+    reuse()
+    n = STATS["examples"]
+    assert n >= REDIS_EXAMPLES // 2, STATS
+    assert STATS["restored"] >= 0.7 * n and STATS["delayed"] >= 0.5 * n, STATS
     assert STATS["preempted_or_unpinned"] >= 0.15 * n, STATS

@@ -73,6 +73,9 @@ class _Delayed:
         n = int(self.fetch.take(expired))
         return 0 if expired and self.polls >= 0 else n
 
+    def copy_into(self, pages: list[int]) -> None:
+        self.fetch.copy_into(pages)
+
     def load(self, pages: list[int]) -> None:
         self.fetch.load(pages)
 
@@ -108,6 +111,9 @@ class DelayedTier:
 
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         self.store.save(page_hashes, pages)
+
+    def swap_out(self, page_hashes: list[bytes], pages: list[int]) -> int:
+        return self.store.swap_out(page_hashes, pages)
 
     def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
         self.store.touch(page_hashes, pages)

@@ -87,6 +87,9 @@ class ShardedFetch:
         host = min(host, self.count)
         return host, self.count - host
 
+    def copy_into(self, pages: list[int]) -> None:
+        self.local.copy_into(pages)  # rank 0's own; the other ranks copy theirs at `load`
+
     def load(self, pages: list[int]) -> None:
         self.local.load(pages)
         self.connector.ops.add(("load", self.fid, list(pages)))
@@ -119,6 +122,10 @@ class ShardedConnector:
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         self.store.save(page_hashes, pages)
         self.ops.add(("save", list(page_hashes), list(pages)))
+
+    def swap_out(self, page_hashes: list[bytes], pages: list[int]) -> int:
+        self.ops.add(("swap_out", list(page_hashes), list(pages)))
+        return self.store.swap_out(page_hashes, pages)
 
     def touch(self, page_hashes: list[bytes], pages: list[int]) -> None:
         self.store.touch(page_hashes, pages)
@@ -160,6 +167,8 @@ class ShardStore:
                 self.store.save(op[1], op[2])
             elif kind == "touch":
                 self.store.touch(op[1], op[2])
+            elif kind == "swap_out":
+                self.store.swap_out(op[1], op[2])
             elif kind == "evict":
                 self.store.evict(op[1])
             elif kind == "commit":

@@ -140,8 +140,11 @@ class PrefixLookup:
         if fetch.ready():  # what was at hand (host memory): exactly the pages that came back
             self._complete(req, fetch, expired=False, start=found, cap=room)
             return READY
-        # The fetch's pages are taken now: nothing else can reclaim them before it is admitted.
-        self.loading.append(_Loading(req, fetch, time.monotonic() + wait, found, self.pool.allocate(room)))
+        # The fetch's pages are taken now: nothing else can reclaim them before it is admitted,
+        # and the fetch may copy pages into them as they arrive.
+        pages = self.pool.allocate(room)
+        fetch.copy_into(pages)
+        self.loading.append(_Loading(req, fetch, time.monotonic() + wait, found, pages))
         return PARKED
 
     def _lookup_room(self, req: Request, n: int) -> int | None:
@@ -189,11 +192,24 @@ class PrefixLookup:
             self._pinned.pop(req, None)
             self._release(req)
 
+    def _swap_out(self, req: Request) -> None:
+        """A request about to give its pages up (preempted, or unpinned): offer its named pages
+        to the connector before they are freed (`KVConnector.swap_out`), when reading them back
+        is expected to beat recomputing them (the tier's measured cost against `recompute_s`)."""
+        if self.namespace is None:
+            return
+        first, named = req.pages.first, self._named.get(req, 0)
+        n = named - first
+        if n <= 0 or self.connector.fetch_cost_s(n) >= self.recompute_s(named * self.page_size):
+            return
+        self.connector.swap_out(self._hashes[req][first:named], [req.pages[i] for i in range(first, named)])
+
     def _unpin(self, req: Request) -> None:
         """A pinned request gives its pages up (named: revivable in the pool, kept by the tiers
         once reused) and may look its pages up again when it comes to the head."""
         del self._pinned[req]
         self.unused_pages["unpinned"] += self._restored.get(req, 0)
+        self._swap_out(req)
         self._release(req)
         self._looked_up.discard(req)
 

@@ -14,12 +14,15 @@ While more than one request has prompt tokens to compute, a chunk takes at most
 `max_prefill_tokens_per_request` (default half the budget). When a running request needs pages
 and none are free, pinned waiting requests give theirs up first (largest key first); then the
 victim is the running request with the largest key (lowest priority, newest) not yet in this
-step's plan: its pages go back to the pool and it is recomputed later from its tokens (prompt +
-output so far), so nothing is lost or emitted twice. If that is the request itself, a prefill
-chunk shrinks to the pages free, else it waits (keeping its pages) behind a planned request of
-larger key, else it is preempted. Running and loading requests hold pages, and waiting ones
-only while pinned. So a step plans something whenever the pool could hold the first request
-alone (when nothing runs or loads, pinned requests give way to the one being admitted).
+step's plan: its pages go back to the pool (named: revivable; copied to the host tier when
+reused; with Redis the only lower tier, those Redis lacks are first handed to its writer, when
+reading them back beats recomputing: `_swap_out`) and it is resumed later from its tokens
+(prompt + output so far) and the pages it finds again, so nothing is lost or emitted twice. If
+that is the request itself, a prefill chunk shrinks to the pages free, else it waits (keeping
+its pages) behind a planned request of larger key, else it is preempted. Running and loading
+requests hold pages, and waiting ones only while pinned. So a step plans something whenever the
+pool could hold the first request alone (when nothing runs or loads, pinned requests give way
+to the one being admitted).
 
 Prefix cache: a request being admitted first takes the pages of its leading full pages
 found in the device pool by content hash (shared, reference counted), then, once per
@@ -164,6 +167,7 @@ class Scheduler(PrefixLookup):
         return -(-(req.num_computed + n) // self.page_size) - len(req.pages)
 
     def _preempt(self, victim: Request) -> None:
+        self._swap_out(victim)  # with Redis the only lower tier: its pages Redis lacks go to the writer
         self._release(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
