@@ -8,8 +8,10 @@ A request with an affinity key goes to the replica that served the key last (thi
 table, else the replica that published the key); one without goes to the replica, among the
 least loaded (within `BALANCE_SLACK`), that served the longest run of its prefix fingerprints.
 
-Every answer carries `x-longctx-replica: <replica URL>`. Own routes: `/health`, `/ready` (200
-while a replica is in rotation), `/metrics` (`api.router.metrics`).
+Every answer carries `x-longctx-replica: <replica URL>`. Own routes, open as a replica's:
+`/health`, `/ready` (200 while a replica is in rotation), `/metrics` (`api.router.metrics`).
+With the replicas' keys (`--api-keys-file`) a `/v1` request without one is refused here, as a
+replica refuses it. WebSockets are relayed by `api.router.ws_relay`.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from typing import Any
 
 import httpx
 
-from api.auth import Unauthorized, check_bearer, is_loopback, load_keys
-from api.errors import error_body, spec_for
+from api.auth import is_loopback, load_keys
 from api.router.affinity import (
     RESPONSE_ID,
     AffinityTable,
@@ -36,6 +37,7 @@ from api.router.affinity import (
     request_key,
     tenant_of,
 )
+from api.router.keys import refusal
 from api.router.metrics import RouterCounters, render
 from api.router.registry import Entry
 from api.router.replicas import OVERLOADED, Replica, Replicas
@@ -102,17 +104,6 @@ class Router:
                 best, best_n = r, n
         return best
 
-    def refusal(self, authorization: str | None) -> Unauthorized | None:
-        """With keys, the error a `/v1` request with this `Authorization` is refused with, as a
-        replica refuses it (`api.auth.check_bearer`); None: let it through."""
-        if self.keys is None:
-            return None
-        try:
-            check_bearer(self.keys, authorization or "")
-        except Unauthorized as e:
-            return e
-        return None
-
     # ---- ASGI ----
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -177,9 +168,9 @@ class Router:
                 break
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP]
         auth = next((v.decode("latin-1") for k, v in headers if k.lower() == b"authorization"), None)
-        refused = self.refusal(auth) if path.startswith("/v1") else None
+        refused = refusal(self.keys, auth) if path.startswith("/v1") else None
         if refused is not None:
-            return await self._own(send, 401, _error_json(refused))
+            return await self._own(send, 401, refused)
         tenant = tenant_of(auth)
         data = parse_body(path, body) if scope["method"] == "POST" else None
         key = request_key(tenant, path, data)
@@ -253,13 +244,6 @@ class Router:
                 event = f"event: error\ndata: {json.dumps(err)}\n\n".encode()
                 await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
-
-
-def _error_json(e: Unauthorized) -> bytes:
-    """The replica's 401 body for `e`, byte for byte (`api.errors`)."""
-    spec = spec_for(e)
-    assert spec is not None
-    return json.dumps(error_body(str(e), spec.type, None, spec.code), separators=(",", ":")).encode()
 
 
 def serve(

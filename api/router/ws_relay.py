@@ -32,6 +32,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from api.router.affinity import RESPONSE_ID, id_key, parse_body, request_key, tenant_of
+from api.router.keys import refusal
 from api.router.replicas import OVERLOADED, Replica
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ async def relay_socket(router: Router, scope: Scope, receive: Receive, send: Sen
     headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
     headers = [(k, v) for k, v in headers if k.lower() not in HANDSHAKE]
     auth = next((v for k, v in headers if k.lower() == "authorization"), None)
-    if router.refusal(auth) is not None:
+    if refusal(router.keys, auth) is not None:
         return await _deny(scope, send, 403, b"", [])
     target = scope["path"] + ("?" + scope["query_string"].decode() if scope.get("query_string") else "")
     tried: set[str] = set()
