@@ -1,14 +1,16 @@
 """Turns, SIGKILLs and restarts over two real `longctx serve` processes on one Redis, in orders
-hypothesis picks: a turn of conversation j on replica i (refused while i is down), a kill of
+hypothesis picks: a turn of conversation j on replica i (refused while i is down), a background
+turn (queued there; a job of a killed replica is taken over by the other's worker), a kill of
 replica i in the middle of a streamed turn (only while the other replica is up, so one always
 answers), and a restart of replica i. The replicas have short leases and job claim idle times,
 and live across examples: an example restarts only what it killed.
 
 After each example, through the API of a live replica: every turn answered 200 has its items in
 its conversation exactly once, in the order the turns were answered, and nothing else is
-there; a turn cut by a kill is there at most once, exactly when its response reads completed
-or incomplete (it reads failed once its lease expired); each conversation's version (in Redis)
-never went back and went up with every turn answered 200."""
+there; a turn cut by a kill, and a background turn, is there exactly once when its response
+ends completed or incomplete and not at all when it ends failed (a cut turn does once its lease
+expired), a background turn anywhere among the others (it commits when it ends); each
+conversation's version (in Redis) never went back and went up with every turn answered 200."""
 
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ from tests.server import TEST_KEY, Server, demo_args, keys_args, start_server
 
 LEASE_MS = 2000
 CLAIM_IDLE_S = 2
-ARGS = (*demo_args("64MiB", 0), "--threads", "1", "--lease-ttl-ms", str(LEASE_MS),
+ARGS = (*demo_args("64MiB", 1), "--threads", "1", "--lease-ttl-ms", str(LEASE_MS),
         "--job-claim-idle-s", str(CLAIM_IDLE_S))  # fmt: skip
 STEPS = st.lists(
     st.one_of(
         st.tuples(st.just("turn"), st.integers(0, 1), st.integers(0, 1)),
         st.tuples(st.just("turn"), st.integers(0, 1), st.integers(0, 1)),
+        st.tuples(st.just("background"), st.integers(0, 1), st.integers(0, 1)),
         st.tuples(st.just("kill"), st.integers(0, 1), st.integers(0, 1)),
         st.tuples(st.just("restart"), st.integers(0, 1), st.just(0)),
     ),
@@ -92,9 +95,10 @@ def replicas(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 @dataclass
 class Turn:
     text: str  # its input message, unique
-    answered: bool  # 200; else cut by a kill (its outcome read from its response afterwards)
+    answered: bool  # 200; else cut by a kill or background (its outcome read from its response)
     response: str | None
     outputs: list[str]  # the output item ids of an answered turn
+    background: bool = False
 
 
 def _turn(client: openai.OpenAI, conv: str, text: str) -> Turn | None:
@@ -106,6 +110,15 @@ def _turn(client: openai.OpenAI, conv: str, text: str) -> Turn | None:
     if r.status not in ("completed", "incomplete"):
         return None
     return Turn(text, True, r.id, [item.id for item in r.output if item.id is not None])
+
+
+def _background(client: openai.OpenAI, conv: str, text: str) -> Turn | None:
+    try:
+        r = client.responses.create(model="demo", conversation=conv, input=text, max_output_tokens=3,
+                                    temperature=0, background=True)  # fmt: skip
+    except (openai.APIStatusError, openai.APIConnectionError):
+        return None
+    return Turn(text, False, r.id, [], background=True)
 
 
 def _killed_turn(pool: Replicas, i: int, conv: str, text: str) -> Turn | None:
@@ -130,17 +143,28 @@ def _killed_turn(pool: Replicas, i: int, conv: str, text: str) -> Turn | None:
     return Turn(text, False, response, []) if response is not None else None
 
 
-def _settled(client: openai.OpenAI, response: str) -> str:
-    """The status of a cut turn's response once it is no longer in progress (its lease expired)."""
-    deadline = time.monotonic() + LEASE_MS / 1000 + 30
+def _settled(client: openai.OpenAI, response: str) -> tuple[str, list[str]]:
+    """A cut or background turn's response once it ended (a cut one's lease expired; a job of a
+    killed replica taken over): its status and output item ids."""
+    deadline = time.monotonic() + LEASE_MS / 1000 + CLAIM_IDLE_S + 60
     while True:
-        status = client.responses.retrieve(response).status
-        if status != "in_progress" or time.monotonic() > deadline:
-            return str(status)
+        r = client.responses.retrieve(response)
+        if r.status not in ("in_progress", "queued") or time.monotonic() > deadline:
+            return str(r.status), [item.id for item in r.output if item.id is not None]
         time.sleep(0.2)
 
 
 def _check(client: openai.OpenAI, conv: str, turns: list[Turn]) -> None:
+    kept = []
+    for t in turns:  # first every cut or background turn's end, then the items
+        if not t.answered:
+            assert t.response is not None
+            status, t.outputs = _settled(client, t.response)
+            event(f"a {'background' if t.background else 'cut'} turn ended {status}")
+            assert status in ("completed", "incomplete", "failed"), status
+            if status == "failed":
+                continue
+        kept.append(t)
     items = list(client.conversations.items.list(conv, order="asc", limit=100))
     ids = [item.id for item in items]
     assert len(ids) == len(set(ids)), ids
@@ -152,25 +176,20 @@ def _check(client: openai.OpenAI, conv: str, turns: list[Turn]) -> None:
         else:
             assert groups, f"an item before any input: {data}"
             groups[-1][1].append(data["id"])
-    kept = []
-    for t in turns:
-        if not t.answered:
-            assert t.response is not None
-            status = _settled(client, t.response)
-            assert status in ("failed", "completed", "incomplete"), status
-            event(f"a cut turn read {status}")
-            if status == "failed":
-                continue
-        kept.append(t)
-    assert [g[0] for g in groups] == [t.text for t in kept], (groups, kept)
-    for (_, outputs), t in zip(groups, kept, strict=True):
-        if t.answered:
-            assert outputs == t.outputs, (outputs, t)
+    background = {t.text for t in turns if t.background}
+    in_order = [t.text for t in kept if not t.background]
+    assert [text for text, _ in groups if text not in background] == in_order, (groups, kept)
+    texts = [text for text, _ in groups]
+    assert sorted(texts) == sorted(t.text for t in kept), (groups, kept)  # each once
+    outputs = dict(groups)
+    for t in kept:
+        assert outputs[t.text] == t.outputs, (outputs[t.text], t)
 
 
 # no shrinking: each example costs real server starts; a failure prints its steps as they were
 @settings(max_examples=5, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
-@example(steps=[("turn", 0, 0), ("kill", 0, 0), ("turn", 1, 0), ("restart", 0, 0), ("turn", 0, 0), ("turn", 1, 1)])
+@example(steps=[("turn", 0, 0), ("background", 0, 1), ("kill", 0, 0), ("turn", 1, 0), ("restart", 0, 0),
+                ("turn", 0, 0), ("turn", 1, 1)])  # fmt: skip
 @given(steps=STEPS)
 def test_no_committed_item_is_lost_or_duplicated(replicas: Replicas, steps: list[tuple[str, int, int]]) -> None:
     pool = replicas
@@ -189,6 +208,12 @@ def test_no_committed_item_is_lost_or_duplicated(replicas: Replicas, steps: list
                 event("killed mid-turn" if cut is not None else "killed before the turn began")
                 if cut is not None:
                     turns[j].append(cut)
+            elif op == "background":
+                client = pool.client(i)
+                queued = _background(client, convs[j], text) if client is not None else None
+                event("background turn queued" if queued is not None else "background turn refused")
+                if queued is not None:
+                    turns[j].append(queued)
             elif op == "turn":
                 client = pool.client(i)
                 done = _turn(client, convs[j], text) if client is not None else None
