@@ -106,14 +106,19 @@ def auth_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandl
     if keys is None:
         connection.state.tenant = DEFAULT_TENANT
         return
-    header = connection.headers.get("authorization", "")
+    connection.state.tenant = check_bearer(keys, connection.headers.get("authorization", ""))
+
+
+def check_bearer(keys: dict[str, str], header: str) -> str:
+    """The tenant of an `Authorization: Bearer KEY` header's key (the replicas' and the router's
+    one check). Raises Unauthorized: no bearer key, or one not in `keys`."""
     scheme, _sep, given = header.partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
         raise Unauthorized("missing API key: send 'Authorization: Bearer KEY'")
     tenant = _find(keys, given.strip())
     if tenant is None:
         raise Unauthorized("invalid API key")
-    connection.state.tenant = tenant
+    return tenant
 
 
 def tenant(request: ASGIConnection[Any, Any, Any, Any]) -> str:

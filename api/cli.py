@@ -79,9 +79,13 @@ def _route(args: argparse.Namespace) -> int:
         raise SystemExit("longctx route: error: give --replica URL (repeat) or --replicas-from-redis")
     if args.replicas_from_redis and args.redis_url is None:
         raise SystemExit("longctx route: error: --replicas-from-redis needs --redis-url (the replicas' state Redis)")
-    return serve(
-        args.host, args.port, args.replica, args.redis_url if args.replicas_from_redis else None, args.redis_prefix
-    )
+    from api.auth import KeysFileError
+
+    redis_url = args.redis_url if args.replicas_from_redis else None
+    try:
+        return serve(args.host, args.port, args.replica, redis_url, args.redis_prefix, args.api_keys_file)
+    except KeysFileError as e:
+        raise SystemExit(f"longctx route: error: {e}") from None
 
 
 def _state(args: argparse.Namespace) -> int:
@@ -146,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     route.add_argument("--redis-url", default=None, help="the replicas' state Redis (--replicas-from-redis)")
     route.add_argument("--redis-prefix", default="lc", help="the replicas' --redis-prefix")
+    route.add_argument(
+        "--api-keys-file", type=Path, default=None,
+        help="the replicas' keys file: refuse /v1 requests without one of its keys here (default: the replicas do)",
+    )  # fmt: skip
     route.set_defaults(func=_route)
 
     state = sub.add_parser("state", help="the state Redis: `migrate` an old key layout to today's")

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,43 +23,15 @@ from typing import Any
 import httpx
 import openai
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from api.router import registry
 from tests.redis_server import delete_prefix, shared_redis, unique_prefix
-from tests.server import ROOT, TEST_KEY, free_port, keys_args, start_server
+from tests.router_process import router_metrics, start_router, wait_router
+from tests.server import TEST_KEY, keys_args, start_server
 
 ARGS = ("--dtype", "float32", "--threads", "1", "--kv-cache-bytes", "64MiB", "--background-workers", "0",
         "--served-model-name", "demo", "--max-queued-per-tenant", "1")  # fmt: skip
 NOTES = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(25))
-
-
-def _metrics(url: str) -> dict[tuple[str, str], float]:
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
-        for s in family.samples:
-            out[(s.name, s.labels.get("replica", ""))] = s.value
-    return out
-
-
-def _wait_router(base: str, proc: subprocess.Popen[bytes], replicas_up: int) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            r = httpx.get(base + "/ready", timeout=1)
-            if r.status_code == 200 and r.json()["replicas_up"] == replicas_up:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.1)
-
-
-def _start_router(*args: str) -> tuple[str, subprocess.Popen[bytes]]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "api.cli", "route", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return f"http://127.0.0.1:{port}", proc
 
 
 def test_router_affinity_retry_and_failover(demo_gguf: Path, tmp_path: Path) -> None:
@@ -72,12 +42,12 @@ def test_router_affinity_retry_and_failover(demo_gguf: Path, tmp_path: Path) -> 
             starting = [pool.submit(start_server, demo_gguf, *args, log=tmp_path / f"{n}.log", prefix=prefix)
                         for n in "ab"]  # fmt: skip
             servers = [f.result() for f in starting]
-        base, router = _start_router(*[x for s in servers for x in ("--replica", s.url)])
-        base2, router2 = _start_router("--replicas-from-redis", "--redis-url", url, "--redis-prefix", prefix)
+        base, router = start_router(*[x for s in servers for x in ("--replica", s.url)])
+        base2, router2 = start_router("--replicas-from-redis", "--redis-url", url, "--redis-prefix", prefix)
         state = redis.Redis.from_url(url)
         try:
-            _wait_router(base, router, 2)
-            _wait_router(base2, router2, 2)  # both found in the registry
+            wait_router(base, router, 2)
+            wait_router(base2, router2, 2)  # both found in the registry
             client = openai.OpenAI(base_url=base + "/v1", api_key=TEST_KEY, max_retries=0, timeout=300)
 
             def turn(**kw: Any) -> tuple[str, openai.types.responses.Response]:
@@ -97,14 +67,14 @@ def test_router_affinity_retry_and_failover(demo_gguf: Path, tmp_path: Path) -> 
 
             # the second router never saw this conversation: the replica published it
             t0 = time.monotonic()
-            while _metrics(base2)[("longctx_router_published_keys", home)] < 1:
+            while router_metrics(base2)[("longctx_router_published_keys", home)] < 1:
                 assert time.monotonic() - t0 < 10
                 time.sleep(0.1)
             client2 = openai.OpenAI(base_url=base2 + "/v1", api_key=TEST_KEY, max_retries=0, timeout=300)
             raw = client2.responses.with_raw_response.create(model="demo", conversation=conv.id, input="More?",
                                                              max_output_tokens=4, temperature=0)  # fmt: skip
             assert raw.headers["x-longctx-replica"] == home
-            assert _metrics(base2)[("longctx_router_affinity_hits_total", "")] == 1
+            assert router_metrics(base2)[("longctx_router_affinity_hits_total", "")] == 1
             entry = state.get(registry.entry_key(prefix, home))
             assert entry is not None and TEST_KEY.encode() not in entry and conv.id.encode() not in entry
 
@@ -120,13 +90,13 @@ def test_router_affinity_retry_and_failover(demo_gguf: Path, tmp_path: Path) -> 
 
             first, _ = chat(client, "Which hive gave least?")
             again, hit = chat(client, "Which hive gave six kilos?")
-            assert again == first and hit > 0 and _metrics(base)[("longctx_router_prefix_hits_total", "")] == 1
+            assert again == first and hit > 0 and router_metrics(base)[("longctx_router_prefix_hits_total", "")] == 1
             t0 = time.monotonic()
-            while _metrics(base2)[("longctx_router_published_prefixes", first)] < 1:
+            while router_metrics(base2)[("longctx_router_published_prefixes", first)] < 1:
                 assert time.monotonic() - t0 < 10
                 time.sleep(0.1)
             third, _ = chat(client2, "Which hive gave nine kilos?")
-            assert third == first and _metrics(base2)[("longctx_router_prefix_hits_total", "")] == 1
+            assert third == first and router_metrics(base2)[("longctx_router_prefix_hits_total", "")] == 1
 
             chain, prev = set(), None
             for q in [NOTES + " Name a colour.", "Another one.", "A third."]:
@@ -154,7 +124,7 @@ def test_router_affinity_retry_and_failover(demo_gguf: Path, tmp_path: Path) -> 
                 t.start()
             for t in threads:
                 t.join()
-            m = _metrics(base)
+            m = router_metrics(base)
             assert m[("longctx_router_retried_429_total", "")] >= 1 and len(set(got)) == 2, (m, got)
             assert m[("longctx_router_affinity_hits_total", "")] >= 5
 
@@ -180,7 +150,7 @@ def test_router_affinity_retry_and_failover(demo_gguf: Path, tmp_path: Path) -> 
             assert names[0] == "response.created" and names[-1] == "error", names
             dying.proc.wait()
             for b in (base, base2):
-                while _metrics(b)[("longctx_router_replica_up", chain_home)] != 0:
+                while router_metrics(b)[("longctx_router_replica_up", chain_home)] != 0:
                     assert time.monotonic() - t0 < 5
                     time.sleep(0.1)
             replica, r = turn(previous_response_id=prev, input="Still there?")

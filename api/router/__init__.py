@@ -5,5 +5,7 @@
 - `replicas`: the replicas, their health (from `/ready`) and load (requests in flight here);
 - `proxy`: the ASGI app that picks a replica, passes the request and the response through
   (streams unbuffered), retries a 429 once elsewhere and learns where each key went;
+- `keys`: with `--api-keys-file`, the replicas' key check, done here first;
+- `ws_relay`: the Responses WebSocket mode, relayed to one replica per connection;
 - `metrics`: the router's own `/metrics`.
 """

@@ -8,8 +8,10 @@ A request with an affinity key goes to the replica that served the key last (thi
 table, else the replica that published the key); one without goes to the replica, among the
 least loaded (within `BALANCE_SLACK`), that served the longest run of its prefix fingerprints.
 
-Every answer carries `x-longctx-replica: <replica URL>`. Own routes: `/health`, `/ready` (200
-while a replica is in rotation), `/metrics` (`api.router.metrics`).
+Every answer carries `x-longctx-replica: <replica URL>`. Own routes, open as a replica's:
+`/health`, `/ready` (200 while a replica is in rotation), `/metrics` (`api.router.metrics`).
+With the replicas' keys (`--api-keys-file`) a `/v1` request without one is refused here, as a
+replica refuses it. WebSockets are relayed by `api.router.ws_relay`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from api.auth import is_loopback, load_keys
 from api.router.affinity import (
     RESPONSE_ID,
     AffinityTable,
@@ -33,9 +37,11 @@ from api.router.affinity import (
     request_key,
     tenant_of,
 )
+from api.router.keys import refusal
 from api.router.metrics import RouterCounters, render
 from api.router.registry import Entry
 from api.router.replicas import OVERLOADED, Replica, Replicas
+from api.router.ws_relay import DenialNoise, relay_socket
 
 log = logging.getLogger("longctx.route")
 
@@ -49,8 +55,9 @@ Registry = Callable[[], Awaitable[list[Entry]]]
 
 
 class Router:
-    def __init__(self, urls: list[str], registry: Registry | None = None):
+    def __init__(self, urls: list[str], registry: Registry | None = None, keys: dict[str, str] | None = None):
         self.replicas = Replicas(urls)
+        self.keys = keys  # --api-keys-file: KEY -> tenant; None: the replicas check keys alone
         self.registry = registry
         self.table = AffinityTable()
         self.prefixes = AffinityTable()  # prefix fingerprint -> replica URL this router sent it to
@@ -105,7 +112,7 @@ class Router:
         elif scope["type"] == "http":
             await self._http(scope, receive, send)
         elif scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1003})
+            await relay_socket(self, scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -161,6 +168,9 @@ class Router:
                 break
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP]
         auth = next((v.decode("latin-1") for k, v in headers if k.lower() == b"authorization"), None)
+        refused = refusal(self.keys, auth) if path.startswith("/v1") else None
+        if refused is not None:
+            return await self._own(send, 401, refused)
         tenant = tenant_of(auth)
         data = parse_body(path, body) if scope["method"] == "POST" else None
         key = request_key(tenant, path, data)
@@ -236,9 +246,18 @@ class Router:
         await send({"type": "http.response.body", "body": b""})
 
 
-def serve(host: str, port: int, urls: list[str], redis_url: str | None = None, redis_prefix: str = "lc") -> int:
+def serve(
+    host: str,
+    port: int,
+    urls: list[str],
+    redis_url: str | None = None,
+    redis_prefix: str = "lc",
+    keys_file: Path | None = None,
+) -> int:
     """Run the router until SIGINT/SIGTERM: in front of `urls` and, given `redis_url`, of the
-    replicas registered in that state Redis under `redis_prefix`."""
+    replicas registered in that state Redis under `redis_prefix`; given `keys_file` (the
+    replicas' `--api-keys-file`), `/v1` requests and WebSockets without one of its keys are
+    refused here as a replica refuses them. Raises KeysFileError (a file that cannot be used)."""
     import functools
 
     import uvicorn
@@ -253,7 +272,11 @@ def serve(host: str, port: int, urls: list[str], redis_url: str | None = None, r
 
         client = connect_async(redis_url, socket_connect_timeout=2, socket_timeout=2)
         reader = functools.partial(registry.read, client, redis_prefix)
-    config = uvicorn.Config(Router(urls, reader), host=host, port=port, log_level="warning", lifespan="on")
+    keys = load_keys(keys_file) if keys_file is not None else None
+    if keys is None and not is_loopback(host):
+        log.warning("no --api-keys-file on %s: the replicas alone check keys on /v1", host)
+    config = uvicorn.Config(Router(urls, reader, keys), host=host, port=port, log_level="warning", lifespan="on")
+    logging.getLogger("uvicorn.error").addFilter(DenialNoise())  # after Config set its logging up
     where = ", ".join(urls + ([f"the replicas registered in {redis_prefix}:{{replicas}}"] if reader else []))
     log.info("routing requests on http://%s:%d to %s", host, port, where)
     uvicorn.Server(config).run()
