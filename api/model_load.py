@@ -78,6 +78,7 @@ def core_spec(args: argparse.Namespace, config: EngineConfig) -> Any:
     return LoadSpec(
         load=load_kwargs(args), config=config, threads=config.threads, log_level=level,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
+        pipeline_parallel_size=args.pipeline_parallel_size, pipeline_layer_split=args.pipeline_layer_split,
     )  # fmt: skip
 
 
@@ -111,6 +112,8 @@ class ModelLoad:
 
         if args.expert_parallel and args.tensor_parallel_size < 2:
             return None
+        if args.pipeline_parallel_size > 1 and (args.host_cache_bytes or args.kv_redis_url not in (None, "none")):
+            return None  # the KV tiers with pipeline stages: `serve` reports it
         if args.redis_url is None and shutil.which("redis-server") is None:
             return None
         try:

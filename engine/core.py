@@ -84,8 +84,13 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         self.parallel = parallel
-        if parallel.sharded and connector is not None:
+        if parallel.distributed and connector is not None:
             raise ValueError("a sharded engine builds its own KV connector (each rank keeps its slices)")
+        if parallel.pipelined and (config.host_cache_bytes or config.kv_redis_url):
+            raise ValueError(
+                "the host and Redis KV tiers do not work with --pipeline-parallel-size yet "
+                "(drop --host-cache-bytes; serve: --kv-redis-url none)"
+            )
         self.grammar_hook = grammar_hook or GrammarHook()
         if config.threads:
             torch.set_num_threads(config.threads)
