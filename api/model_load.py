@@ -112,8 +112,6 @@ class ModelLoad:
 
         if args.expert_parallel and args.tensor_parallel_size < 2:
             return None
-        if args.pipeline_parallel_size > 1 and (args.host_cache_bytes or args.kv_redis_url not in (None, "none")):
-            return None  # the KV tiers with pipeline stages: `serve` reports it
         if args.redis_url is None and shutil.which("redis-server") is None:
             return None
         try:

@@ -110,9 +110,6 @@ class Startup:
     def _redis(self, state: ServerState) -> None:
         o = self.options
         kv_flag = o.engine.kv_redis_url
-        if kv_flag is None and self.args.pipeline_parallel_size > 1:
-            log.info("KV tier off: the host and Redis KV tiers do not work with --pipeline-parallel-size yet")
-            kv_flag = "none"
         if self.args.redis_url is None:
             from engine.loading.model_source import longctx_home
 
@@ -271,17 +268,6 @@ class Startup:
                 log.exception("could not release managed redis-server (%s)", instance.name)
 
 
-def pipeline_tier_conflict(args: argparse.Namespace) -> str | None:
-    """Why the KV tier flags cannot go with --pipeline-parallel-size (None: they can)."""
-    if args.pipeline_parallel_size < 2:
-        return None
-    if args.host_cache_bytes:
-        return "--host-cache-bytes: the host KV tier does not work with --pipeline-parallel-size yet"
-    if args.kv_redis_url not in (None, "none"):
-        return "--kv-redis-url: the Redis KV tier does not work with --pipeline-parallel-size yet (give none)"
-    return None
-
-
 def run(
     args: argparse.Namespace,
     options: ServeOptions,
@@ -303,8 +289,6 @@ def run(
     """
     if args.expert_parallel and args.tensor_parallel_size < 2:
         raise ValueError("--expert-parallel needs --tensor-parallel-size of 2 or more")
-    if pipeline_tier_conflict(args):
-        raise ValueError(pipeline_tier_conflict(args))
     if args.redis_url is None and shutil.which("redis-server") is None:
         print(f"longctx: error: {INSTALL_HINT}", flush=True, file=sys.stderr)
         return 2

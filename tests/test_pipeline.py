@@ -152,3 +152,19 @@ def test_cli_generate_with_pipeline_stages(tmp_path: Path, demo_float32: Any) ->
     assert "spawned rank 1" in out.stderr and "rank 1 of 2 ready" in out.stderr
     for r in range(2):  # each rank's bytes read, in its own log line
         assert re.search(rf"rank {r} \(stage {r} of 2\): .* loaded \d+ tensors, [\d.]+ MB", out.stderr), out.stderr
+
+
+def test_namespace_names_the_stage_and_keeps_single_stage_keys() -> None:
+    """Each stage's pages live under a namespace of its own; on one stage the digest is the one
+    computed before stages existed (stored pages stay usable)."""
+    import hashlib
+
+    import msgspec
+
+    from kvstore.prefix import Namespace
+
+    base = Namespace("LlamaForCausalLM", "w", "float32", "float32", 16, numerics="n")
+    old = {k: v for k, v in base.__dict__.items() if k not in ("pp_size", "pp_rank")}
+    assert base.digest == hashlib.blake2b(msgspec.msgpack.encode(old), digest_size=16).digest()
+    stages = {Namespace("LlamaForCausalLM", "w", "float32", "float32", 16, pp_size=2, pp_rank=r).key for r in (0, 1)}
+    assert len(stages | {base.key}) == 3
