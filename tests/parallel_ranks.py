@@ -9,7 +9,8 @@ Kept apart from the test module so that a rank imports neither pytest nor transf
         weight quantization after a dash (`tp-int8`, `tp-int4`: int4 with group 32). Mode
         `compiled`: tensor parallel through the compiled step (graphs cached under OUT), its
         self-check of bucket 8 on every rank, then the mixed step (no engine run).
-    serve MODEL: rank 0 spawns rank 1 itself and generates until killed.
+    serve MODEL [--stages 2]: rank 0 spawns rank 1 itself (its tensor-parallel peer, or the
+        second pipeline stage) and generates until killed.
 """
 
 from __future__ import annotations
@@ -165,8 +166,9 @@ def run_compiled(ctx: ParallelContext, model_dir: Path) -> dict[str, object]:
     return {"mixed": mixed, "checks": [c.error for c in checks], "buckets": sorted(step.compiled_buckets)}
 
 
-def run_serve(model_dir: Path) -> None:
-    ctx, watchdog = init_parallel(2, dead_after_s=10.0)
+def run_serve(model_dir: Path, stages: int) -> None:
+    tp = 2 // stages  # two ranks: tensor parallel, or two pipeline stages
+    ctx, watchdog = init_parallel(tp, dead_after_s=10.0, pipeline_size=stages)
     config = ModelConfig.from_pretrained_dir(model_dir)
     model, _ = load_model(config, SafetensorsSource(model_dir), torch.float32, progress=False, parallel=ctx)
     if not ctx.is_driver:
@@ -193,11 +195,12 @@ def main(argv: list[str]) -> None:
     p.add_argument("model", type=Path)
     p.add_argument("out", type=Path, nargs="?")
     p.add_argument("--modes", default="tp", help="comma-separated: tp (tensor parallel), ep (experts too)")
+    p.add_argument("--stages", type=int, default=1, help="serve: pipeline stages (1 or 2)")
     args = p.parse_args(argv)
     if args.mode == "logits":
         run_logits(args.model, args.out, args.modes.split(","))
     else:
-        run_serve(args.model)
+        run_serve(args.model, args.stages)
 
 
 if __name__ == "__main__":
