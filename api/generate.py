@@ -194,7 +194,7 @@ def _generate_in_process(args: argparse.Namespace) -> int:
         from engine.model_runner import ModelRunner
 
         local = ModelRunner.for_model(loaded.model, args.page_size, args.kv_cache_bytes, args.attention_backend)
-        runner = DistributedRunner(local, parallel, watchdog)
+        runner = DistributedRunner(local, parallel, watchdog, config)  # the other ranks build their KV tiers too
     engine = Engine(loaded.model, tok, config, parallel=parallel, fingerprint=loaded.stats.fingerprint, runner=runner)
     _check_buckets(engine, len(prompt_ids))
     t0 = time.perf_counter()

@@ -177,6 +177,8 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
+        if parallel.pipelined and config.vision is not None:
+            raise ValueError("--pipeline-parallel-size: vision-language models run without pipeline stages")
         self.config = config
         self.parallel = parallel
         self.model = Backbone(config, parallel)
