@@ -140,6 +140,13 @@ def world_size(args: argparse.Namespace) -> int:
         raise ValueError("--pipeline-parallel-size must be >= 1")
     if args.pipeline_layer_split and args.pipeline_parallel_size < 2:
         raise ValueError("--pipeline-layer-split needs --pipeline-parallel-size of 2 or more")
+    from engine.distributed.parallel import parse_layer_split
+
+    split = parse_layer_split(args.pipeline_layer_split)  # the sum is checked against the model's layers at load
+    if split and len(split) != args.pipeline_parallel_size:
+        raise ValueError(
+            f"--pipeline-layer-split has {len(split)} stages, --pipeline-parallel-size {args.pipeline_parallel_size}"
+        )
     return int(args.tensor_parallel_size * args.pipeline_parallel_size)
 
 

@@ -168,3 +168,21 @@ def test_namespace_names_the_stage_and_keeps_single_stage_keys() -> None:
     assert base.digest == hashlib.blake2b(msgspec.msgpack.encode(old), digest_size=16).digest()
     stages = {Namespace("LlamaForCausalLM", "w", "float32", "float32", 16, pp_size=2, pp_rank=r).key for r in (0, 1)}
     assert len(stages | {base.key}) == 3
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--pipeline-parallel-size", "2", "--pipeline-layer-split", "1,1,1"], "has 3 stages"),
+        (["--pipeline-layer-split", "1,1"], "needs --pipeline-parallel-size of 2 or more"),
+        (["--pipeline-parallel-size", "0"], "--pipeline-parallel-size must be >= 1"),
+    ],
+)
+def test_generate_refuses_a_bad_pipeline_layout(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before any rank is spawned or any weight read: exit status 2, the flag named."""
+    from api.cli import main
+
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", *flags]) == 2
+    assert message in capsys.readouterr().err
