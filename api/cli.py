@@ -25,7 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
     from api.serve_args import serve_options
 
     options = serve_options(args)
-    if args.tensor_parallel_size > 1 and os.environ.get("RANK", "0") != "0":
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and os.environ.get("RANK", "0") != "0":
         # under torchrun: ranks 1..N-1 serve no HTTP, they replay rank 0's engine steps
         from api.model_load import core_spec
         from engine.process.ranks import worker_main

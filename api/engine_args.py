@@ -121,6 +121,33 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "and the Python headers are present (CPU, one process), else eager",
     )
     p.add_argument("--expert-parallel", action="store_true", help="MoE: whole experts per rank, tokens dispatched")
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages, each a slice of the layers on --tensor-parallel-size ranks (P x T ranks)",
+    )
+    p.add_argument(
+        "--pipeline-layer-split",
+        default="",
+        help="layers per stage, e.g. 10,10,12 (default: as even as possible, the first stages one more)",
+    )
+
+
+def world_size(args: argparse.Namespace) -> int:
+    """Processes the parallel flags ask for: tensor-parallel ranks x pipeline stages."""
+    if args.pipeline_parallel_size < 1:
+        raise ValueError("--pipeline-parallel-size must be >= 1")
+    if args.pipeline_layer_split and args.pipeline_parallel_size < 2:
+        raise ValueError("--pipeline-layer-split needs --pipeline-parallel-size of 2 or more")
+    from engine.distributed.parallel import parse_layer_split
+
+    split = parse_layer_split(args.pipeline_layer_split)  # the sum is checked against the model's layers at load
+    if split and len(split) != args.pipeline_parallel_size:
+        raise ValueError(
+            f"--pipeline-layer-split has {len(split)} stages, --pipeline-parallel-size {args.pipeline_parallel_size}"
+        )
+    return int(args.tensor_parallel_size * args.pipeline_parallel_size)
 
 
 def want_compile(args: argparse.Namespace) -> bool:
@@ -131,12 +158,12 @@ def want_compile(args: argparse.Namespace) -> bool:
     if asked is False:
         return False
     missing = compile_available()
-    cpu_single = args.device == "cpu" and args.tensor_parallel_size == 1
+    cpu_single = args.device == "cpu" and world_size(args) == 1
     if asked:
         if missing:
             raise ValueError(f"--compile: {missing}")
         if not cpu_single:
-            raise ValueError("--compile: the compiled step runs on CPU in one process (no --device cuda, no TP)")
+            raise ValueError("--compile: the compiled step runs on CPU in one process (no --device cuda, TP or PP)")
         return True
     if not cpu_single:
         return False

@@ -1,7 +1,7 @@
 """`longctx generate`: one prompt through the engine, its text streamed to stdout.
 
-Runs the engine process as `serve` does; tensor-parallel runs keep the engine in this process,
-its ranks beside it.
+Runs the engine process as `serve` does; tensor- and pipeline-parallel runs keep the engine in
+this process, its ranks beside it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from api.engine_args import engine_config
+from api.engine_args import engine_config, world_size
 from engine.sampling_params import SamplingParams
 
 
@@ -109,7 +109,7 @@ def generate(args: argparse.Namespace) -> int:
     from api.cli_tools import check_files
 
     check_files(args)  # a wrong --tools / --json-schema file fails before the model loads
-    if args.tensor_parallel_size > 1 or args.expert_parallel:
+    if world_size(args) > 1 or args.expert_parallel:
         return _generate_in_process(args)
     from api.model_load import core_spec, engine_wait_policy, placement
     from engine.process.client import EngineClient
@@ -156,10 +156,17 @@ def _generate_in_process(args: argparse.Namespace) -> int:
     from engine.loading.loader import load
 
     parallel, watchdog = SINGLE, None
-    if args.tensor_parallel_size > 1:
+    if args.expert_parallel and args.tensor_parallel_size < 2:
+        raise ValueError("--expert-parallel needs --tensor-parallel-size of 2 or more")
+    if world_size(args) > 1:
         from engine.distributed.launch import init_parallel
+        from engine.distributed.parallel import parse_layer_split
 
-        parallel, watchdog = init_parallel(args.tensor_parallel_size, args.expert_parallel, args.device)
+        split = parse_layer_split(args.pipeline_layer_split)
+        parallel, watchdog = init_parallel(
+            args.tensor_parallel_size, args.expert_parallel, args.device,
+            pipeline_size=args.pipeline_parallel_size, layer_split=split,
+        )  # fmt: skip
     elif args.expert_parallel:
         raise ValueError("--expert-parallel needs --tensor-parallel-size of 2 or more")
     if args.threads:
@@ -187,7 +194,7 @@ def _generate_in_process(args: argparse.Namespace) -> int:
         from engine.model_runner import ModelRunner
 
         local = ModelRunner.for_model(loaded.model, args.page_size, args.kv_cache_bytes, args.attention_backend)
-        runner = DistributedRunner(local, parallel, watchdog)
+        runner = DistributedRunner(local, parallel, watchdog, config)  # the other ranks build their KV tiers too
     engine = Engine(loaded.model, tok, config, parallel=parallel, fingerprint=loaded.stats.fingerprint, runner=runner)
     _check_buckets(engine, len(prompt_ids))
     t0 = time.perf_counter()

@@ -78,6 +78,7 @@ def core_spec(args: argparse.Namespace, config: EngineConfig) -> Any:
     return LoadSpec(
         load=load_kwargs(args), config=config, threads=config.threads, log_level=level,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
+        pipeline_parallel_size=args.pipeline_parallel_size, pipeline_layer_split=args.pipeline_layer_split,
     )  # fmt: skip
 
 

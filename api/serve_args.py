@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from api.engine_args import engine_config, parse_bytes
+from api.engine_args import engine_config, parse_bytes, world_size
 from api.state import ServeOptions
 from sessions.config import ImageConfig, ServiceConfig, StoreConfig, WorkerConfig, generation_defaults
 
@@ -156,7 +156,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         engine=engine_config(
             args,
             # a sharded engine's ranks split the cores among them (`--threads`: per rank)
-            threads=args.threads if args.tensor_parallel_size > 1 else placement(args.threads)[0],
+            threads=args.threads if world_size(args) > 1 else placement(args.threads)[0],
             enable_prefix_caching=not args.no_prefix_cache,
             kv_redis_prefix=f"{args.redis_prefix}:kv",
         ),

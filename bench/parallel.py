@@ -1,11 +1,14 @@
-"""Step time and bytes communicated per step: TP=1, TP=2 and TP=2 + expert parallel, on CPU.
+"""Step time and bytes communicated per step: TP=1, TP=2, TP=2 + expert parallel, PP=2 (with and
+without micro-batches) and PP=2 x TP=2, on CPU.
 
 A random Qwen3-MoE checkpoint (float32) is written once; each configuration then runs in its
 own processes (rank 0 spawns the others, as `longctx generate --tensor-parallel-size` does),
 with the machine's cores split evenly between ranks. Measured on rank 0: one prefill step
 (B prompts of P tokens) and the mean of S decode steps of B tokens (after a warm-up step), and the bytes this rank
-put into collectives per step (all-reduce, all-gather, all-to-all payloads and the plan
-broadcast). Prints a table and writes JSON to bench/results/parallel.json.
+put into collectives per step (all-reduce, all-gather, all-to-all payloads, point-to-point
+sends and the plan broadcast). Under pipeline parallelism also rank 0's bubble: the share of
+each phase's time its stage spent outside its layers (waiting for the other stage).
+Prints a table and writes JSON to bench/results/parallel.json.
 
     python bench/parallel.py [--quick]
 """
@@ -30,8 +33,17 @@ MODEL: dict[str, Any] = dict(
     num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=8192, num_experts=8,
     num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=4096,
 )  # fmt: skip
-# name: (ranks, expert parallel, threads per rank; 0 = the machine's cores split evenly)
-CONFIGS = {"tp1": (1, False, 0), "tp1-1thread": (1, False, 1), "tp2": (2, False, 0), "tp2+ep": (2, True, 0)}
+# name: (tensor-parallel ranks, expert parallel, threads per rank (0 = the machine's cores split
+# evenly), pipeline stages, most micro-batches per step (0 = as many as stages))
+CONFIGS: dict[str, tuple[int, bool, int, int, int]] = {
+    "tp1": (1, False, 0, 1, 0),
+    "tp1-1thread": (1, False, 1, 1, 0),
+    "tp2": (2, False, 0, 1, 0),
+    "tp2+ep": (2, True, 0, 1, 0),
+    "pp2": (1, False, 0, 2, 0),
+    "pp2-unsplit": (1, False, 0, 2, 1),
+    "pp2xtp2": (2, False, 0, 2, 0),
+}
 
 
 def write_checkpoint(path: Path) -> None:
@@ -42,7 +54,9 @@ def write_checkpoint(path: Path) -> None:
     Qwen3MoeForCausalLM(Qwen3MoeConfig(**MODEL)).save_pretrained(path)
 
 
-def run_rank(model_dir: Path, world_size: int, expert_parallel: bool, batch: int, prompt: int, steps: int) -> None:
+def run_rank(
+    model_dir: Path, world_size: int, expert_parallel: bool, batch: int, prompt: int, steps: int, pp: int, micro: int
+) -> None:
     """One configuration; rank 0 prints its measurements as a JSON line."""
     import torch
 
@@ -57,8 +71,9 @@ def run_rank(model_dir: Path, world_size: int, expert_parallel: bool, batch: int
     from kvstore.kv_cache import KVCache
     from kvstore.spec import KVSpec
 
-    ctx, watchdog = init_parallel(world_size, expert_parallel) if world_size > 1 else (SINGLE, None)
-    if world_size == 1 and os.environ.get("LONGCTX_THREADS"):
+    distributed = world_size * pp > 1
+    ctx, watchdog = init_parallel(world_size, expert_parallel, pipeline_size=pp) if distributed else (SINGLE, None)
+    if not distributed and os.environ.get("LONGCTX_THREADS"):
         torch.set_num_threads(int(os.environ["LONGCTX_THREADS"]))
     config = ModelConfig.from_pretrained_dir(model_dir)
     model, stats = load_model(config, SafetensorsSource(model_dir), torch.float32, progress=False, parallel=ctx)
@@ -66,12 +81,13 @@ def run_rank(model_dir: Path, world_size: int, expert_parallel: bool, batch: int
         serve_worker(model, ctx, watchdog)
         return
     page = 16
-    spec = KVSpec(config.num_layers, model.local_kv_heads, config.head_dim, page, "float32")
+    spec = KVSpec(len(model.stage_layers), model.local_kv_heads, config.head_dim, page, "float32")
     pages_per_seq = -(-(prompt + steps + 1) // page)
     backend = TorchPagedBackend(model.local_heads, model.local_kv_heads, config.head_dim)
     runner = ModelRunner(model, KVCache(spec, batch * pages_per_seq + 2), backend)
     if watchdog is not None:
         runner = DistributedRunner(runner, ctx, watchdog)
+    runner.max_micro_batches = micro or pp
     pool = BlockPool(runner.kv_cache.num_pages)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
@@ -80,11 +96,14 @@ def run_rank(model_dir: Path, world_size: int, expert_parallel: bool, batch: int
     for n in (16, 1):  # first calls allocate and pick kernels: not part of a step's time
         runner.run([Chunk(prompts[0][:n], warm, n)])
     ctx.comm.reset()
+    runner.busy_s = runner.wall_s = 0.0
     t0 = time.perf_counter()
     logits = runner.run([Chunk(p, t, prompt) for p, t in zip(prompts, tables, strict=True)])
     prefill_s, prefill_comm = time.perf_counter() - t0, ctx.comm.total
+    prefill_bubble = 1 - runner.busy_s / runner.wall_s if runner.wall_s else 0.0
     tokens = logits.argmax(-1).tolist()
     ctx.comm.reset()
+    runner.busy_s = runner.wall_s = 0.0
     times = []
     for i in range(steps):
         t0 = time.perf_counter()
@@ -92,7 +111,14 @@ def run_rank(model_dir: Path, world_size: int, expert_parallel: bool, batch: int
         tokens = runner.run(chunks).argmax(-1).tolist()
         times.append(time.perf_counter() - t0)
     out = {
-        "ranks": world_size,
+        "ranks": world_size * pp,
+        "tensor_parallel": world_size,
+        "pipeline_stages": pp,
+        "micro_batches": runner.max_micro_batches if pp > 1 else 1,
+        "prefill_bubble": prefill_bubble,
+        "decode_bubble": 1 - runner.busy_s / runner.wall_s if runner.wall_s else 0.0,
+        "prefill_tokens_per_s": batch * prompt / prefill_s,
+        "decode_tokens_per_s": batch / (sum(times) / len(times)),
         "expert_parallel": expert_parallel,
         "threads_per_rank": torch.get_num_threads(),
         "bytes_read_per_rank": stats.bytes_read,
@@ -110,7 +136,7 @@ def run_rank(model_dir: Path, world_size: int, expert_parallel: bool, batch: int
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--rank-of", nargs=3, metavar=("MODEL", "RANKS", "EP"), help=argparse.SUPPRESS)
+    p.add_argument("--rank-of", nargs=5, metavar=("MODEL", "RANKS", "EP", "PP", "MICRO"), help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--steps", type=int, default=32)
@@ -118,29 +144,30 @@ def main() -> None:
     if args.quick:
         args.prompt, args.steps = 64, 8
     if args.rank_of:
-        model, n, ep = args.rank_of
-        run_rank(Path(model), int(n), ep == "1", args.batch, args.prompt, args.steps)
+        model, n, ep, pp, micro = args.rank_of
+        run_rank(Path(model), int(n), ep == "1", args.batch, args.prompt, args.steps, int(pp), int(micro))
         return
     results: dict[str, Any] = {"model": MODEL, "batch": args.batch, "prompt": args.prompt, "cores": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(Path(tmp))
-        for name, (n, ep, threads) in CONFIGS.items():
+        for name, (n, ep, threads, pp, micro) in CONFIGS.items():
             env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
             env |= {"LONGCTX_THREADS": str(threads)} if threads else {}
-            cmd = [sys.executable, __file__, "--rank-of", tmp, str(n), "1" if ep else "0"]
+            cmd = [sys.executable, __file__, "--rank-of", tmp, str(n), "1" if ep else "0", str(pp), str(micro)]
             cmd += ["--batch", str(args.batch), "--prompt", str(args.prompt), "--steps", str(args.steps)]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not lines:
                 raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
             results[name] = json.loads(lines[-1].removeprefix("RESULT "))
-    print(f"{'config':12} {'threads/rank':>12} {'MB read/rank':>12} {'prefill ms':>10} {'prefill comm MB':>15} "
-          f"{'decode ms':>9} {'decode comm KB/step':>19}")  # fmt: skip
+    print(f"{'config':12} {'threads/rank':>12} {'MB read/rank0':>13} {'prefill tok/s':>13} {'prefill comm MB':>15} "
+          f"{'decode tok/s':>12} {'decode comm KB/step':>19} {'bubble prefill':>14} {'bubble decode':>13}")  # fmt: skip
     for name in CONFIGS:
         r = results[name]
-        print(f"{name:12} {r['threads_per_rank']:>12} {r['bytes_read_per_rank'] / 1e6:>12.1f} {r['prefill_ms']:>10.1f} "
-              f"{r['prefill_comm_bytes'] / 1e6:>15.2f} {r['decode_ms']:>9.2f} "
-              f"{r['decode_comm_bytes_per_step'] / 1e3:>19.1f}")  # fmt: skip
+        print(f"{name:12} {r['threads_per_rank']:>12} {r['bytes_read_per_rank'] / 1e6:>13.1f} "
+              f"{r['prefill_tokens_per_s']:>13.0f} {r['prefill_comm_bytes'] / 1e6:>15.2f} "
+              f"{r['decode_tokens_per_s']:>12.1f} {r['decode_comm_bytes_per_step'] / 1e3:>19.1f} "
+              f"{r['prefill_bubble']:>14.0%} {r['decode_bubble']:>13.0%}")  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "parallel.json").write_text(json.dumps(results, indent=2))
 

@@ -16,7 +16,7 @@ def attach(runner: object) -> CompiledStep | None:
     """Give a `ModelRunner` the compiled step, its graphs cached under `$LONGCTX_HOME/compile`
     (buckets compile at first use, or all at once in `CompiledStep.warm_up`). Runners of other
     kinds (tensor parallel) and non-CPU devices stay eager, with a warning."""
-    if type(runner) is not ModelRunner or runner.model.parallel.sharded or runner.device.type != "cpu":
+    if type(runner) is not ModelRunner or runner.model.parallel.distributed or runner.device.type != "cpu":
         log.warning("the compiled step runs on CPU in one process; running eager")
         return None
     configure(longctx_home())

@@ -84,7 +84,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         self.parallel = parallel
-        if parallel.sharded and connector is not None:
+        if parallel.distributed and connector is not None:
             raise ValueError("a sharded engine builds its own KV connector (each rank keeps its slices)")
         self.grammar_hook = grammar_hook or GrammarHook()
         if config.threads:
@@ -103,7 +103,7 @@ class EngineCore:
         self.store: TieredStore | None = None
         if connector is None and (config.host_cache_bytes or config.kv_redis_url):
             connector = self.store = build_tiers(self.kv_cache, self.namespace, config)
-            if parallel.sharded:  # every rank keeps its slices; rank 0 decides what is usable
+            if parallel.distributed:  # every rank keeps its slices; rank 0 decides what is usable
                 ops = getattr(runner, "ops", None)
                 if not isinstance(ops, ShardOps):
                     raise ValueError("the KV tiers of a sharded engine need its DistributedRunner")

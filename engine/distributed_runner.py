@@ -1,9 +1,11 @@
 """Rank 0 schedules, every rank computes: the step plan is broadcast before each forward pass.
 
 Only rank 0 holds a scheduler, a block pool and the requests; the other ranks hold their shard
-of the model and of the KV cache (the same pages, their own heads) and replay each step's
-plan, a list of `Chunk`s, exactly as rank 0 runs it. Logits are gathered on every rank (the
-vocabulary-parallel head), but only rank 0 samples, so nothing comes back from the workers.
+of the model and of the KV cache (the same pages, their own heads and layers) and replay each
+step's plan, a list of `Chunk`s, exactly as rank 0 runs it. Logits are gathered on every rank
+(the vocabulary-parallel head), but only rank 0 samples, so nothing else comes back from the
+workers; with pipeline stages the last stage sends them to rank 0 (`engine/distributed/pipeline.py`)
+and the plan carries the step's micro-batches.
 With the host or Redis KV tiers, each rank keeps its own slices of the pages; the connector's
 operations travel with the plan (`engine/distributed/kv_shards.py`).
 """
@@ -19,6 +21,7 @@ from engine.attention.registry import make_backend
 from engine.distributed.kv_shards import ShardOps, ShardStore
 from engine.distributed.launch import Watchdog
 from engine.distributed.parallel import ParallelContext
+from engine.distributed.pipeline import micro_batches
 from engine.engine_config import EngineConfig
 from engine.kv_tiers import build_tiers, kv_namespace
 from engine.model.model import CausalLM
@@ -50,12 +53,15 @@ class DistributedRunner(ModelRunner):
         init = ("init", runner.kv_cache.num_pages, spec.page_size, spec.dtype, runner.backend.name, config)
         parallel.broadcast_object(init)
 
-    def run(self, chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
+    def run(self, chunks: list[Chunk], all_logits: bool = False, bounds: list[int] | None = None) -> torch.Tensor:
         try:
             # A page table may be a view of a request's table: send only its live pages.
             sent = [dataclasses.replace(c, page_table=_own(c.page_table)) for c in chunks]
-            self.parallel.broadcast_object(("run", sent, all_logits, self.ops.take()))
-            return super().run(chunks, all_logits)
+            if self.parallel.pipelined and bounds is None:  # every stage splits the step alike
+                tokens = [len(c.token_ids) for c in chunks]
+                bounds = micro_batches(tokens, self.parallel.pp_size, self.max_micro_batches)
+            self.parallel.broadcast_object(("run", sent, all_logits, self.ops.take(), bounds))
+            return super().run(chunks, all_logits, bounds)
         except RuntimeError as e:  # gloo: a peer closed its socket; name it rather than the socket
             if self.watchdog is not None:
                 self.watchdog.explain(e)
@@ -96,11 +102,17 @@ def _serve(model: CausalLM, parallel: ParallelContext, fingerprint: str) -> int:
     _, num_pages, page_size, dtype, backend_name, config = msg
     mc = model.config
     device = model.model.norm.weight.device
-    spec = KVSpec(mc.num_layers, model.local_kv_heads, mc.head_dim, page_size, dtype)
+    spec = KVSpec(len(model.stage_layers), model.local_kv_heads, mc.head_dim, page_size, dtype)
     build_kernels(device)
     backend = make_backend(backend_name, device, model.local_heads, model.local_kv_heads, mc.head_dim)
     runner = ModelRunner(model, KVCache(spec, num_pages, device), backend)
-    log.info("rank %d: KV shard of %d pages, %.1f MB", parallel.rank, num_pages, runner.kv_cache.num_bytes / 1e6)
+    log.info(
+        "rank %d: KV shard of %d pages, %d layers, %.1f MB",
+        parallel.global_rank,
+        num_pages,
+        len(model.stage_layers),
+        runner.kv_cache.num_bytes / 1e6,
+    )
     tiers = None
     if config is not None and (config.host_cache_bytes or config.kv_redis_url):
         namespace = kv_namespace(model, spec, config.kv_dtype, fingerprint, parallel)
@@ -119,7 +131,7 @@ def _serve(model: CausalLM, parallel: ParallelContext, fingerprint: str) -> int:
             if msg[3]:
                 assert tiers is not None, "KV operations without tiers"
                 tiers.apply(msg[3])
-            runner.run(msg[1], msg[2])
+            runner.run(msg[1], msg[2], msg[4])
             steps += 1
     finally:
         if tiers is not None:

@@ -59,6 +59,8 @@ def kv_namespace(
         parallel.world_size,
         parallel.rank,
         numerics=numerics_digest(config),
+        pp_size=parallel.pp_size,
+        pp_rank=parallel.pp_rank,
     )
 
 

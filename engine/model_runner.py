@@ -52,6 +52,9 @@ class ModelRunner:
         self.num_tokens_computed = 0
         self.num_mixed_steps = 0  # steps whose batch held prefill chunks and decode tokens together
         self.last_plan: tuple[int, int] = (0, 0)  # (prefill chunks, decode tokens) of the last pass
+        # Pipeline parallel: a step splits into at most this many micro-batches (default: stages).
+        self.max_micro_batches = model.parallel.pp_size
+        self.busy_s = self.wall_s = 0.0  # pipeline: this stage's compute and step time (bubble 1 - busy/wall)
 
     @classmethod
     def for_model(cls, model: CausalLM, page_size: int, kv_cache_bytes: int, attention_backend: str) -> ModelRunner:
@@ -59,15 +62,42 @@ class ModelRunner:
         mc = model.config
         device = model.model.norm.weight.device
         dtype = str(model.model.norm.weight.dtype).replace("torch.", "")
-        spec = KVSpec(mc.num_layers, model.local_kv_heads, mc.head_dim, page_size, dtype)
-        kv_cache = KVCache.from_budget(spec, kv_cache_bytes, device)
+        spec = KVSpec(len(model.stage_layers), model.local_kv_heads, mc.head_dim, page_size, dtype)
+        # Pipeline stages share one page table: pages for the budget of the stage with most layers.
+        most = max(len(model.parallel.stage_layers(mc.num_layers, s)) for s in range(model.parallel.pp_size))
+        pages = KVSpec(most, model.local_kv_heads, mc.head_dim, page_size, dtype).pages_in_budget(kv_cache_bytes)
+        kv_cache = KVCache(spec, pages, device)
         build_kernels(device)
         backend = make_backend(attention_backend, device, model.local_heads, model.local_kv_heads, mc.head_dim)
         return cls(model, kv_cache, backend)
 
     @torch.inference_mode()
-    def run(self, chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor:
-        """Returns float32 logits: [B, V] for each chunk's last token, or [T, V] for every token."""
+    def run(self, chunks: list[Chunk], all_logits: bool = False, bounds: list[int] | None = None) -> torch.Tensor:
+        """Returns float32 logits: [B, V] for each chunk's last token, or [T, V] for every token.
+
+        A pipeline stage (`engine/distributed/pipeline.py`) runs its layers over the micro-batches
+        `chunks[bounds[i]:bounds[i + 1]]` (default: its own split); only global rank 0 gets the
+        logits, the other stages an empty tensor."""
+        if self.model.parallel.pipelined:
+            from engine.distributed.pipeline import run_stage
+
+            return run_stage(self, chunks, all_logits, bounds)
+        meta, ids, logits_indices = self.inputs(chunks, all_logits)
+        self.backend.plan(meta)
+        if any(c.images is not None for c in chunks):
+            offsets = meta.qo_indptr.tolist()
+            parts = [(offsets[i], len(c.token_ids), c.images) for i, c in enumerate(chunks)]
+            images = gather_step(parts, meta.positions, self.device)
+            logits = self.step(ids, meta, self.kv_cache.layers, self.backend, logits_indices, images)
+        else:
+            logits = self.step(ids, meta, self.kv_cache.layers, self.backend, logits_indices)
+        self.count(chunks)
+        return logits
+
+    def inputs(
+        self, chunks: list[Chunk], all_logits: bool
+    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor | None]:
+        """(the batch's metadata, its token ids [T] int64, the rows whose logits are wanted [N] or None: all)."""
         meta = AttentionMetadata.from_tables(
             [_table(c.page_table) for c in chunks],
             [c.first_page for c in chunks],
@@ -80,21 +110,16 @@ class ModelRunner:
         # Every chunk's last token, in order: none to pick when each chunk is one token (decodes).
         last_only = not all_logits and meta.num_tokens > len(chunks)
         logits_indices = meta.qo_indptr[1:].to(torch.int64) - 1 if last_only else None
-        self.backend.plan(meta)
-        if any(c.images is not None for c in chunks):
-            offsets = meta.qo_indptr.tolist()
-            parts = [(offsets[i], len(c.token_ids), c.images) for i, c in enumerate(chunks)]
-            images = gather_step(parts, meta.positions, self.device)
-            logits = self.step(ids, meta, self.kv_cache.layers, self.backend, logits_indices, images)
-        else:
-            logits = self.step(ids, meta, self.kv_cache.layers, self.backend, logits_indices)
+        return meta, ids, logits_indices
+
+    def count(self, chunks: list[Chunk]) -> None:
+        """Record one forward pass over the step `chunks` in the runner's counters."""
         self.num_forward_calls += 1
-        self.num_tokens_computed += meta.num_tokens
-        decodes = sum(1 for q in meta.q_lens if q == 1)
+        self.num_tokens_computed += sum(len(c.token_ids) for c in chunks)
+        decodes = sum(1 for c in chunks if len(c.token_ids) == 1)
         self.last_plan = (len(chunks) - decodes, decodes)
         if decodes and decodes < len(chunks):
             self.num_mixed_steps += 1
-        return logits
 
 
 def _table(pages: list[int] | torch.Tensor) -> torch.Tensor:

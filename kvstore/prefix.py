@@ -35,6 +35,8 @@ class Namespace:
         kv_dtype: the dtype pages are stored in outside device memory ("int8" or the model dtype).
         page_size: tokens per page.
         tp_size, tp_rank: tensor-parallel shard (each rank stores its own heads).
+        pp_size, pp_rank: pipeline stage (each stage stores its own layers); left out of the
+            digest on one stage, so that a single stage's keys are what they always were.
         numerics: a digest of the configuration that changes what K and V hold besides the
             weights (RoPE type, theta and scaling, context length, windows, norm eps, head
             shapes), computed by the engine from its model config: K is stored after RoPE, so
@@ -51,11 +53,16 @@ class Namespace:
     tp_rank: int = 0
     numerics: str = ""
     format_version: int = KV_FORMAT_VERSION
+    pp_size: int = 1
+    pp_rank: int = 0
 
     @property
     def digest(self) -> bytes:
         """16 bytes naming the model side of the namespace (used in Redis keys)."""
-        return hashlib.blake2b(msgspec.msgpack.encode(self.__dict__), digest_size=16).digest()
+        fields = dict(self.__dict__)
+        if self.pp_size == 1:
+            del fields["pp_size"], fields["pp_rank"]
+        return hashlib.blake2b(msgspec.msgpack.encode(fields), digest_size=16).digest()
 
     @property
     def key(self) -> str:

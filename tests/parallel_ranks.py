@@ -9,12 +9,14 @@ Kept apart from the test module so that a rank imports neither pytest nor transf
         weight quantization after a dash (`tp-int8`, `tp-int4`: int4 with group 32). Mode
         `compiled`: tensor parallel through the compiled step (graphs cached under OUT), its
         self-check of bucket 8 on every rank, then the mixed step (no engine run).
-    serve MODEL: rank 0 spawns rank 1 itself and generates until killed.
+    serve MODEL [--stages 2]: rank 0 spawns rank 1 itself (its tensor-parallel peer, or the
+        second pipeline stage) and generates until killed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -39,6 +41,9 @@ PROMPT_LENGTHS = (7, 23, 45)
 MIXED_SPLIT = 20
 PAGE_SIZE = 4
 GREEDY_TOKENS = 24
+IN_PLAY_PAGES = 30
+# Pipeline-parallel modes: (tensor-parallel size, stages); every other mode is 2 tensor-parallel ranks.
+LAYOUTS = {"pp": (1, 2), "pptp": (2, 2), "ppep": (2, 2)}
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -51,7 +56,7 @@ def sharded_runner(model: CausalLM, num_pages: int = 256) -> ModelRunner:
     from engine.attention.torch_paged import TorchPagedBackend
 
     c = model.config
-    spec = KVSpec(c.num_layers, model.local_kv_heads, c.head_dim, PAGE_SIZE, "float32")
+    spec = KVSpec(len(model.stage_layers), model.local_kv_heads, c.head_dim, PAGE_SIZE, "float32")
     return ModelRunner(
         model, KVCache(spec, num_pages), TorchPagedBackend(model.local_heads, model.local_kv_heads, c.head_dim)
     )
@@ -59,6 +64,28 @@ def sharded_runner(model: CausalLM, num_pages: int = 256) -> ModelRunner:
 
 def engine_config() -> EngineConfig:
     return EngineConfig(kv_cache_bytes=4 << 20, page_size=PAGE_SIZE, enable_prefix_caching=False)
+
+
+def in_play_config(model: CausalLM) -> EngineConfig:
+    """Chunked prefill (16-token steps), the prefix cache, and KV for `IN_PLAY_PAGES` pages on
+    every stage (too few for the greedy requests at once: some are preempted)."""
+    c, p = model.config, model.parallel
+    most = max(len(p.stage_layers(c.num_layers, s)) for s in range(p.pp_size))
+    page = KVSpec(most, model.local_kv_heads, c.head_dim, PAGE_SIZE, "float32").bytes_per_page
+    return EngineConfig(kv_cache_bytes=IN_PLAY_PAGES * page, page_size=PAGE_SIZE, max_num_batched_tokens=16)
+
+
+def greedy_in_play(engine: Engine, vocab: int) -> dict[str, object]:
+    """The greedy requests twice (the second time from the prefix cache) under `in_play_config`:
+    their tokens, and how many preemptions, cached prompt tokens and chunked prefills there were."""
+    tokens = greedy_with_engine(engine, vocab)
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+    handles = [engine.add_request(p, params) for p in prompts(vocab)]
+    engine.run_until_idle()
+    outs = [list(h) for h in handles]
+    again = [[t for out in o for t in out.token_ids] for o in outs]
+    cached = sum(o[-1].cached_tokens for o in outs)
+    return {"tokens": tokens, "again": again, "preemptions": engine.stats.preemptions, "cached": cached}
 
 
 def local_runner(model: CausalLM) -> ModelRunner:
@@ -75,20 +102,23 @@ def greedy_with_engine(engine: Engine, vocab: int) -> list[list[int]]:
 
 
 def run_logits(model_dir: Path, out: Path, modes: list[str]) -> None:
-    base, watchdog = init_parallel(2)
+    layouts = {LAYOUTS.get(m.partition("-")[0], (2, 1)) for m in modes}
+    assert len(layouts) == 1, f"modes of one launch share a layout: {modes}"
+    tp, pp = layouts.pop()
+    base, watchdog = init_parallel(tp, pipeline_size=pp)
     if "compiled" in modes:
         from engine.model.compile_setup import configure
 
         configure(out / f"compile-{base.rank}")
     for mode in modes:  # one process group, the model built again per mode
         kind, _, quant = mode.partition("-")
-        ctx = ParallelContext(base.rank, base.world_size, kind == "ep", base.group)
+        ctx = dataclasses.replace(base, expert_parallel=kind in ("ep", "ppep"))
         result = (
             run_compiled(ctx, model_dir)
             if kind == "compiled"
             else run_mode(ctx, model_dir, QuantConfig(quant or "none"))
         )
-        torch.save(result, out / f"rank{ctx.rank}-{mode}.pt")
+        torch.save(result, out / f"rank{ctx.global_rank}-{mode}.pt")
     leave_together(watchdog)
 
 
@@ -104,10 +134,15 @@ def run_mode(ctx: ParallelContext, model_dir: Path, quant: QuantConfig = NONE) -
     comm = ctx.comm.total
     result: dict[str, object] = {"mixed": mixed, "bytes_read": stats.bytes_read, "comm": comm}
     result["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = in_play_config(model) if ctx.pipelined else engine_config()
     if ctx.is_driver:
-        dist_runner = DistributedRunner(local_runner(model), ctx)
-        engine = Engine(model, None, engine_config(), parallel=ctx, runner=dist_runner)
-        result["greedy"] = greedy_with_engine(engine, config.vocab_size)
+        local = ModelRunner.for_model(model, cfg.page_size, cfg.kv_cache_bytes, cfg.attention_backend)
+        dist_runner = DistributedRunner(local, ctx)
+        engine = Engine(model, None, cfg, parallel=ctx, runner=dist_runner)
+        if ctx.pipelined:
+            result["in_play"] = greedy_in_play(engine, config.vocab_size)
+        else:
+            result["greedy"] = greedy_with_engine(engine, config.vocab_size)
         dist_runner.shutdown()
     else:
         result["steps"] = serve_worker(model, ctx)
@@ -131,8 +166,9 @@ def run_compiled(ctx: ParallelContext, model_dir: Path) -> dict[str, object]:
     return {"mixed": mixed, "checks": [c.error for c in checks], "buckets": sorted(step.compiled_buckets)}
 
 
-def run_serve(model_dir: Path) -> None:
-    ctx, watchdog = init_parallel(2, dead_after_s=10.0)
+def run_serve(model_dir: Path, stages: int) -> None:
+    tp = 2 // stages  # two ranks: tensor parallel, or two pipeline stages
+    ctx, watchdog = init_parallel(tp, dead_after_s=10.0, pipeline_size=stages)
     config = ModelConfig.from_pretrained_dir(model_dir)
     model, _ = load_model(config, SafetensorsSource(model_dir), torch.float32, progress=False, parallel=ctx)
     if not ctx.is_driver:
@@ -159,11 +195,12 @@ def main(argv: list[str]) -> None:
     p.add_argument("model", type=Path)
     p.add_argument("out", type=Path, nargs="?")
     p.add_argument("--modes", default="tp", help="comma-separated: tp (tensor parallel), ep (experts too)")
+    p.add_argument("--stages", type=int, default=1, help="serve: pipeline stages (1 or 2)")
     args = p.parse_args(argv)
     if args.mode == "logits":
         run_logits(args.model, args.out, args.modes.split(","))
     else:
-        run_serve(args.model)
+        run_serve(args.model, args.stages)
 
 
 if __name__ == "__main__":

@@ -73,11 +73,12 @@ def _statuses(report_file: Path) -> dict[str, tuple[str, list[str]]]:
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_every_stage_passes(arch: str, tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
-    """The command as a user runs it; the dense model also runs the parallel stage on 2 gloo ranks."""
+    """The command as a user runs it; the dense model also runs the parallel stage (TP=2, PP=2 and
+    PP=2 x TP=2 gloo ranks), rank 0 with the logits of each, every rank with the bytes it read."""
     report = tmp_path / "report.json"
     argv = ["doctor", "--model", str(tiny_dirs[arch]), "--max-length", "256", "--threads", "1", "--report", str(report)]
-    if arch == "llama":
-        argv += ["--tensor-parallel-size", "2"]
+    if arch == "llama":  # TP=2, PP=2 and PP=2 x TP=2
+        argv += ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]
     assert main(argv) == 0
     got = _statuses(report)
     for stage in STAGES:
@@ -88,6 +89,13 @@ def test_every_stage_passes(arch: str, tiny_dirs: dict[str, Path], tmp_path: Pat
             assert got[stage][0] in ("pass", "warn"), (stage, got[stage][1])
             continue
         assert got[stage][0] == "pass", (stage, got[stage][1])
+    stages = {s["name"]: s for s in json.loads(report.read_text())["stages"]}
+    if arch == "llama":
+        rows = stages["parallel"]["data"]["rows"]
+        assert [(r[0], r[1]) for r in rows] == [("TP=2", 0), ("TP=2", 1), ("PP=2", 0), ("PP=2", 1)] + [
+            ("PP=2 x TP=2", r) for r in range(4)
+        ]
+        assert all(isinstance(r[2], float) for r in rows if r[0] == "TP=2" or r[1] == 0), rows
     quant = json.loads(report.read_text())["stages"][-1]["data"]
     for group in ("attention", "MLP"):  # each group alone, and int4 rounds more than int8
         assert 0 < quant[f"{group}/int8"]["logit_error"] < quant[f"{group}/int4-g32"]["logit_error"], quant

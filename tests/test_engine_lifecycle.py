@@ -149,7 +149,7 @@ def test_raising_matcher_and_forward_fault(tiny: Any) -> None:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return run(chunks, all_logits)
 
-    e.runner.run = faulty  # type: ignore[method-assign]
+    e.runner.run = faulty  # type: ignore[method-assign, assignment]
     handles = [e.add_request(p, _greedy()) for p in prompts[:4]]
     e.run_until_idle()
     for h in handles:
@@ -170,7 +170,7 @@ def _slow(engine: Engine, seconds: float = 0.02) -> None:
         time.sleep(seconds)
         return run(chunks, all_logits)
 
-    engine.runner.run = slow  # type: ignore[method-assign]
+    engine.runner.run = slow  # type: ignore[method-assign, assignment]
 
 
 def test_shutdown_aborts_blocking_and_async_consumers(tiny: Any) -> None:

@@ -182,9 +182,10 @@ def test_each_rank_reads_its_share_of_the_checkpoint(case: tuple[TinyModel, Any]
             assert abs(n - replicated - split / 2) <= 0.02 * split, f"{mode} rank {r} read {n} of {total} bytes"
 
 
-def test_rank_death_fails_rank_zero_naming_it(tmp_path: Path) -> None:
-    """SIGKILL of rank 1 mid-generation: rank 0 (which spawned it) exits non-zero within 60 s,
-    naming rank 1."""
+@pytest.mark.parametrize("stages", [1, 2], ids=["tp2", "pp2"])
+def test_rank_death_fails_rank_zero_naming_it(tmp_path: Path, stages: int) -> None:
+    """SIGKILL of rank 1 mid-generation (a tensor-parallel peer, or the second pipeline stage):
+    rank 0 (which spawned it) exits non-zero within 60 s, naming rank 1."""
     t = build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path / "model")
     log = tmp_path / "rank0.log"
     env = os.environ | {"LONGCTX_THREADS": "1"}
@@ -192,7 +193,7 @@ def test_rank_death_fails_rank_zero_naming_it(tmp_path: Path) -> None:
         env.pop(var, None)
     with open(log, "wb") as err:
         rank0 = subprocess.Popen(
-            [sys.executable, "-m", "tests.parallel_ranks", "serve", str(t.path)],
+            [sys.executable, "-m", "tests.parallel_ranks", "serve", str(t.path), "--stages", str(stages)],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

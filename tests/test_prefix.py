@@ -109,7 +109,7 @@ class LogitTap:
             self.logits.append(out.clone())
             return out
 
-        engine.runner.run = tapped  # type: ignore[method-assign]
+        engine.runner.run = tapped  # type: ignore[method-assign, assignment]
 
 
 def first_logits(engine: Engine, prompt: list[int], salt: str = "") -> tuple[torch.Tensor, int, int]:

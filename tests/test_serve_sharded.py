@@ -1,7 +1,7 @@
-"""`longctx serve --tensor-parallel-size 2` on the tiny Llama (demo tokenizer), through the
-`openai` client: the engine process is rank 0 and spawns rank 1; a conversation answers what a
-single-process server answers (greedy, float32); SIGKILL of rank 1 turns `/ready` 503 with an
-error naming it, then the server exits 1."""
+"""`longctx serve --tensor-parallel-size 2` (and `--pipeline-parallel-size 2`) on the tiny Llama
+(demo tokenizer), through the `openai` client: the engine process is rank 0 and spawns rank 1; a
+conversation answers what a single-process server answers (greedy, float32); SIGKILL of rank 1
+turns `/ready` 503 with an error naming it, then the server exits 1."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from tests.server import TEST_KEY, Server, http_get, keys_args, running_server, 
 pytestmark = pytest.mark.slow
 ARGS = ("--dtype", "float32", "--kv-cache-bytes", "16MiB", "--served-model-name", "tiny", "--background-workers", "0")
 TP2 = ("--tensor-parallel-size", "2", "--threads", "1")
+PP2 = ("--pipeline-parallel-size", "2", "--pipeline-layer-split", "1,1", "--threads", "1")
 QUESTIONS = ("Name three colours.", "And three animals?")
 
 
@@ -100,6 +101,50 @@ def test_rank_death_stops_the_server_naming_it(tiny_model: Path, redis_url: str,
     assert "SIGKILL" in str(error["message"])
 
 
+def test_pipeline_conversation_equals_one_process_then_a_dead_stage_stops_it(
+    tiny_model: Path, redis_url: str, tmp_path: Path
+) -> None:
+    """PP=2 (one layer per stage): the conversation's tokens and logprobs equal one process's;
+    then SIGKILL of stage 1 makes `/ready` 503 naming it, and the server exits 1."""
+    keys = keys_args(tmp_path)
+    with running_server(tiny_model, *ARGS, *keys, log=tmp_path / "one.log", redis_url=redis_url) as one:
+        expected = _conversation(one)
+    log = tmp_path / "pp2.log"
+    server = start_server(tiny_model, "--redis-url", redis_url, *ARGS, *PP2, *keys, log=log)
+    try:
+        got = _conversation(server)
+        text = log.read_text()
+        assert re.search(r"rank 1 \(stage 1 of 2\): .* loaded", text), text[-3000:]
+        spawned = re.search(r"spawned rank 1 \(pid (\d+)\)", text)
+        assert spawned is not None, server.log_tail()
+        os.kill(int(spawned.group(1)), signal.SIGKILL)
+        stopped = _stopped_bodies(server)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(got, expected, strict=True):
+        assert tokens == ref_tokens and len(tokens) == 12
+        assert logprobs == pytest.approx(ref_logprobs, rel=1e-4, abs=1e-4)
+    assert got[1][2] > 0  # the second turn's prompt came from the prefix cache
+    assert server.proc.returncode == 1, server.log_tail()
+    assert stopped, server.log_tail()
+    message = str(stopped[-1]["error"])
+    assert "rank 1 failed" in message and "SIGKILL" in message, stopped
+
+
+def _stopped_bodies(server: Server) -> list[dict[str, Any]]:
+    """`/ready`'s 503 `engine_stopped` bodies until the server exits (at most 60 s, then 30)."""
+    bodies = []
+    deadline = time.monotonic() + 60
+    while server.proc.poll() is None and time.monotonic() < deadline:
+        status, body = http_get(server.url + "/ready", timeout_s=2.0)
+        if status == 503 and body.get("phase") == "engine_stopped":
+            bodies.append(body)
+        time.sleep(0.05)
+    server.proc.wait(timeout=30)
+    return bodies
+
+
 NOTES = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(12))
 
 
@@ -116,12 +161,15 @@ def _pages_by_namespace(url: str, prefix: str) -> dict[str, int]:
         client.close()
 
 
-def test_restart_restores_each_ranks_kv_slices_from_redis(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
-    """TP=2 with the Redis KV tier: a turn, SIGKILL of the server, a second server on the same
-    Redis: the next turn of the conversation finds >= 80% of its prompt cached (every rank's
-    slices of those pages were there)."""
+@pytest.mark.parametrize("layout", [TP2, PP2], ids=["tp2", "pp2"])
+def test_restart_restores_each_ranks_kv_slices_from_redis(
+    tiny_model: Path, redis_url: str, tmp_path: Path, layout: tuple[str, ...]
+) -> None:
+    """TP=2 (or PP=2) with the Redis KV tier: a turn, SIGKILL of the server, a second server on
+    the same Redis: the next turn of the conversation finds >= 80% of its prompt cached (every
+    rank's slices of those pages, its heads or its stage's layers, were there)."""
     prefix = unique_prefix()
-    args = ("--redis-url", redis_url, "--kv-redis-url", redis_url, *ARGS, *TP2, *keys_args(tmp_path))
+    args = ("--redis-url", redis_url, "--kv-redis-url", redis_url, *ARGS, *layout, *keys_args(tmp_path))
     first = start_server(tiny_model, *args, log=tmp_path / "a.log", prefix=prefix)
     try:
         client = _client(first)

@@ -114,6 +114,8 @@ def run_mixed_step(runner: ModelRunner, pool: BlockPool, prompts: list[list[int]
         mixed = [Chunk(prompts[0][split:], tables[0], len(prompts[0]))]
         mixed += [Chunk(p[-1:], t, len(p)) for p, t in zip(prompts[1:], tables[1:], strict=True)]
         logits = runner.run(mixed, all_logits=True)
+        if logits.numel() == 0:  # a pipeline stage other than rank 0's: the logits went there
+            return []
         sizes = [len(c.token_ids) for c in mixed]
         return list(logits.split(sizes))
     finally:

@@ -32,7 +32,9 @@ class DoctorOptions:
     max_length: the length stage's longest prompt (None = the model's context).
     reference: "transformers" or "none".
     baseline / save_baseline: a baseline file to compare against / to write.
-    tensor_parallel_size, expert_parallel: the parallel stage's sharding (1 = stage skipped).
+    tensor_parallel_size, expert_parallel, pipeline_parallel_size: the parallel stage's sharding
+        (tensor parallel, pipeline stages, and both together when both are given; 1 and 1 = stage
+        skipped).
     serve_dtype, quantization, group_size, compile: the serving stage's configuration, as
         `longctx serve` takes them (`compile` None: what serve picks here).
     """
@@ -47,6 +49,7 @@ class DoctorOptions:
     save_baseline: Path | None = None
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
+    pipeline_parallel_size: int = 1
     greedy_tokens: int = 32
     serve_dtype: str = "auto"
     quantization: str = "none"
@@ -64,6 +67,8 @@ class DoctorOptions:
             raise ValueError(f"--max-length must be at least 16, got {self.max_length}")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be >= 1")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError("--pipeline-parallel-size must be >= 1")
 
 
 def add_doctor_args(p: argparse.ArgumentParser) -> None:
@@ -82,6 +87,12 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size", type=int, default=d.tensor_parallel_size, help="parallel stage: ranks to shard over"
     )
     p.add_argument("--expert-parallel", action="store_true", help="parallel stage: whole experts per rank")
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=d.pipeline_parallel_size,
+        help="parallel stage: pipeline stages (alone, and x --tensor-parallel-size)",
+    )
     p.add_argument(
         "--serve-dtype",
         default=d.serve_dtype,

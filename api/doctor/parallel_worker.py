@@ -2,7 +2,7 @@
 
 RANK, WORLD_SIZE and MASTER_* are set by the parent (as torchrun does). Every rank loads its
 shard, runs the same fixed prompts in the same steps (the collectives pair up), and writes its
-logits, bytes read and step times to OUT/rank{r}.pt.
+logits (pipeline parallel: rank 0 only), bytes read and step times to OUT/rank{r}.pt.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--expert-parallel", action="store_true")
+    p.add_argument("--pipeline-size", type=int, default=1)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
@@ -35,21 +36,23 @@ def main(argv: list[str]) -> None:
     from api.doctor.capture import PAGE_SIZE, runner_for
 
     t0 = time.perf_counter()
-    ctx, watchdog = init_parallel(args.world_size, args.expert_parallel, args.device)
-    print(f"rank {ctx.rank}: group ready after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    ctx, watchdog = init_parallel(args.world_size, args.expert_parallel, args.device, pipeline_size=args.pipeline_size)
+    print(f"rank {ctx.global_rank}: group ready after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     loaded = load(args.model, args.dtype, args.device, progress=False, parallel=ctx)
-    print(f"rank {ctx.rank}: loaded after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    print(f"rank {ctx.global_rank}: loaded after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     prompts: list[list[int]] = json.loads(args.prompts)
     runner, pool = runner_for(loaded.model, max(len(x) for x in prompts))
     logits, times = [], []
     for ids in prompts:
         pages = pool.allocate(-(-len(ids) // PAGE_SIZE))
         t0 = time.perf_counter()
-        logits.append(runner.run([Chunk(ids, pages, len(ids))], all_logits=True).cpu())
+        out = runner.run([Chunk(ids, pages, len(ids))], all_logits=True).cpu()
         times.append(time.perf_counter() - t0)
+        if out.numel():  # a pipeline stage other than rank 0's gets none
+            logits.append(out)
         pool.free(pages)
     result = {"logits": logits, "bytes_read": loaded.stats.bytes_read, "step_s": times, "comm_bytes": ctx.comm.total}
-    torch.save(result, args.out / f"rank{ctx.rank}.pt")
+    torch.save(result, args.out / f"rank{ctx.global_rank}.pt")
     leave_together(watchdog)
 
 

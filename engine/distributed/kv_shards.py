@@ -1,8 +1,9 @@
 """The host and Redis KV tiers on a sharded model: every rank keeps its own slice of each page.
 
 A page's content hash is computed once, by rank 0's scheduler; each rank stores its slice
-(its KV heads) under that hash in a namespace of its own (`Namespace.tp_rank`, and the digest of
-the weights it read), so Redis holds one value per page per rank. Rank 0 drives everything:
+(its KV heads, its stage's layers) under that hash in a namespace of its own
+(`Namespace.tp_rank`, `Namespace.pp_rank`, and the digest of the weights it read), so Redis
+holds one value per page per rank. Rank 0 drives everything:
 its `ShardedConnector` does what the connector is asked locally and queues the same operation
 for the other ranks (`ShardOps`), which replay it before their next step (`ShardStore`). A
 lookup is the one operation that needs answers: when rank 0 takes a fetch, every rank says how
@@ -62,7 +63,7 @@ def min_over_ranks(parallel: ParallelContext, value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     import torch.distributed as dist
 
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=parallel.group)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=parallel.world if parallel.world is not None else parallel.group)
     return int(t.item())
 
 
@@ -185,7 +186,7 @@ class ShardStore:
             try:
                 fetch.remote.result(timeout=self.lookup_timeout_s)
             except Exception:  # a late or failed lookup counts what arrived
-                log.debug("rank %d: lookup %d not done in time", self.parallel.rank, fid)
+                log.debug("rank %d: lookup %d not done in time", self.parallel.global_rank, fid)
         return int(fetch.take(expired))
 
     def close(self) -> None:

@@ -141,17 +141,28 @@ class Watchdog:
 
 
 def init_parallel(
-    world_size: int, expert_parallel: bool = False, device: str = "cpu", *, dead_after_s: float = 10.0
+    world_size: int,
+    expert_parallel: bool = False,
+    device: str = "cpu",
+    *,
+    dead_after_s: float = 10.0,
+    pipeline_size: int = 1,
+    layer_split: tuple[int, ...] = (),
 ) -> tuple[ParallelContext, Watchdog]:
-    """Join (or start, spawning the other ranks) a `world_size`-rank group; returns this rank's
-    context and its running watchdog. On CPU, each rank gets an equal share of the cores unless
-    torch's thread count was set explicitly (LONGCTX_THREADS or `--threads`)."""
+    """Join (or start, spawning the other ranks) a group of `pipeline_size` stages of
+    `world_size` tensor-parallel ranks each; returns this rank's context and its running
+    watchdog. On CPU, each rank gets an equal share of the cores unless torch's thread count
+    was set explicitly (LONGCTX_THREADS or `--threads`)."""
     import torch.distributed as dist
 
-    children = spawn_ranks(world_size) if "RANK" not in os.environ else {}
+    total = world_size * pipeline_size
+    children = spawn_ranks(total) if "RANK" not in os.environ else {}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != world_size:
-        raise ValueError(f"launched with WORLD_SIZE={world} but --tensor-parallel-size {world_size}")
+    if world != total:
+        raise ValueError(
+            f"launched with WORLD_SIZE={world} but --tensor-parallel-size {world_size} "
+            f"x --pipeline-parallel-size {pipeline_size} = {total}"
+        )
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts the store
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -172,7 +183,17 @@ def init_parallel(
         torch.set_num_threads(threads)
     watchdog = Watchdog(store, rank, world, children, dead_after_s).start()
     log.info("rank %d of %d ready (%s)", rank, world, "nccl" if cuda else f"gloo, {torch.get_num_threads()} threads")
-    return ParallelContext(rank, world, expert_parallel, group=dist.group.WORLD), watchdog
+    if pipeline_size == 1:
+        return ParallelContext(rank, world, expert_parallel, group=dist.group.WORLD), watchdog
+    stage, tp_rank = divmod(rank, world_size)
+    group = None
+    for s in range(pipeline_size):  # every rank creates every stage's group, in the same order
+        g = dist.new_group(list(range(s * world_size, (s + 1) * world_size)))
+        group = g if s == stage else group
+    ctx = ParallelContext(
+        tp_rank, world_size, expert_parallel, group, stage, pipeline_size, layer_split, world=dist.group.WORLD
+    )
+    return ctx, watchdog
 
 
 def leave_together(watchdog: Watchdog) -> None:

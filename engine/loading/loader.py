@@ -173,7 +173,7 @@ def load(
     source = resolve_model(spec)
     gguf_cache = GGUFCache(source.path) if cache and source.kind == "gguf" else None
     # A quantized load's fingerprint carries its quantization: it is never the GGUF's own.
-    weights_cache = gguf_cache if not parallel.sharded and not quant.enabled else None
+    weights_cache = gguf_cache if not parallel.distributed and not quant.enabled else None
     config = gguf_cache.config() if gguf_cache is not None else None
     # The dtype decides which cached weights to read; it needs the config (cached or not).
     torch_dtype = resolve_dtype(dtype, config, source, dev) if config is not None else None

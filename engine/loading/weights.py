@@ -445,5 +445,6 @@ def load_model(
         calibration=calibration,
     )
     model.eval()
-    log.info("%s: %s", source.description, stats.summary())
+    who = f"rank {parallel.global_rank} ({parallel.describe()}): " if parallel.distributed else ""
+    log.info("%s%s: %s", who, source.description, stats.summary())
     return model, stats

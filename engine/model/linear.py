@@ -166,8 +166,8 @@ def convert_tied_head(model: nn.Module, quant: QuantConfig = NONE, blocks: Int4B
     quantized rows, so the float table is dropped (single process only); unquantized, the head
     shares the table's storage."""
     embed = model.model.embed_tokens  # type: ignore[union-attr]
-    if model.lm_head is not None:  # type: ignore[union-attr]
-        return False
+    if model.lm_head is not None or not model.parallel.last_stage:  # type: ignore[union-attr]
+        return False  # an LM head of its own, or (pipeline parallel) none on this stage
     head = make_head(embed.weight.detach(), quant, blocks=blocks)
     if head is None:
         return False

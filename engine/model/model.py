@@ -145,8 +145,26 @@ class Backbone(nn.Module):
                 config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
             )
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel) for i in range(config.num_layers))
+        # Pipeline parallel: this stage's layers only, at their model-wide indices (names match
+        # the checkpoint's); the embedding on the first stage (and the last, when the LM head is
+        # tied to it), the final norm on the last. What a stage lacks is an empty buffer.
+        mine = parallel.stage_layers(config.num_layers)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, parallel) if i in mine else nn.Module() for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not (parallel.first_stage or (parallel.last_stage and config.tie_word_embeddings)):
+            _not_held(self.embed_tokens, "weight")
+        if not parallel.last_stage:
+            _not_held(self.norm, "weight")
+
+
+def _not_held(module: nn.Module, name: str) -> None:
+    """Another pipeline stage holds `module.<name>`: here an empty buffer of its dtype and device
+    (which code asking `norm.weight.device` still finds), neither loaded nor saved."""
+    w = getattr(module, name)
+    delattr(module, name)
+    module.register_buffer(name, w.new_empty(0), persistent=False)
 
 
 class CausalLM(nn.Module):
@@ -159,11 +177,14 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
+        if parallel.pipelined and config.vision is not None:
+            raise ValueError("--pipeline-parallel-size: vision-language models run without pipeline stages")
         self.config = config
         self.parallel = parallel
         self.model = Backbone(config, parallel)
         v_start, v_size = parallel.split(config.vocab_size)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, v_size, bias=False)
+        untied = not config.tie_word_embeddings and parallel.last_stage
+        self.lm_head = nn.Linear(config.hidden_size, v_size, bias=False) if untied else None
         if self.lm_head is not None and parallel.sharded:
             set_source_slices(self.lm_head, "weight", {None: rows(v_start, v_size)})
         # The tied LM head as a linear of its own once packed or quantized (`engine/model/linear.py`);
@@ -171,6 +192,7 @@ class CausalLM(nn.Module):
         self.tied_head: nn.Module | None = None
         heads = split_heads(config.num_heads, config.num_kv_heads, parallel)
         self.local_heads, self.local_kv_heads = heads.heads, heads.kv_heads  # the KV cache holds these
+        self.stage_layers = parallel.stage_layers(config.num_layers)  # ... of these layers
         self.rope = RotaryEmbedding(config)
         # A vision-language model's image encoder (`engine/model/vision/encoder.py`), set by the loader.
         self.vision: ImageEncoder | None = None
@@ -206,12 +228,37 @@ class CausalLM(nn.Module):
         Returns:
             [N, vocab] float32 logits.
         """
-        x = merge_embeddings(self.model.embed_tokens(input_ids), images)  # [T, hidden]
+        return self.stage_forward(input_ids, meta, kv_caches, backend, logits_indices, images)
+
+    def stage_forward(
+        self,
+        inputs: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor | None = None,
+        images: StepImages | None = None,
+    ) -> torch.Tensor:
+        """This pipeline stage's part of `forward` (all of it on one stage).
+
+        Args:
+            inputs: [T] int64 token ids on the first stage; else [T, hidden] hidden states, the
+                previous stage's output.
+            kv_caches: this stage's layers' caches, in order.
+        Returns:
+            [N, vocab] float32 logits on the last stage; else [T, hidden], the residual stream
+            after this stage's layers (the next stage's input).
+        """
+        first = self.parallel.first_stage
+        x = merge_embeddings(self.model.embed_tokens(inputs), images) if first else inputs  # [T, hidden]
         cos_sin = rotary(self.rope, meta.positions, images, x.dtype)
         residual: torch.Tensor | None = None
-        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+        layers = [self.model.layers[i] for i in self.stage_layers]
+        for i, layer, cache in zip(self.stage_layers, layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, cache, backend)
             x = add_deepstack(x, images, i)
+        if not self.parallel.last_stage:
+            return x if residual is None else x + residual  # what add_rms_norm would sum first
         if logits_indices is not None and residual is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         x = self.model.norm(x) if residual is None else add_rms_norm(self.model.norm, x, residual)[0]
@@ -236,6 +283,25 @@ class CausalLM(nn.Module):
                 out[f"{mname}.{pname}" if mname else pname] = slices
         return out
 
+    def _held_by_stage(self) -> Callable[[str], bool]:
+        """Whether a checkpoint tensor belongs to this pipeline stage (always, on one stage)."""
+        if not self.parallel.pipelined:
+            return lambda name: True
+        mine = self.stage_layers
+        embed = self.parallel.first_stage or (self.parallel.last_stage and self.config.tie_word_embeddings)
+        last = self.parallel.last_stage
+
+        def held(name: str) -> bool:
+            if name.startswith("model.layers."):
+                return int(name.split(".")[2]) in mine
+            if name.startswith("model.embed_tokens."):
+                return embed
+            if name.startswith(("model.norm.", "lm_head.")):
+                return last
+            return True
+
+        return held
+
     def checkpoint_name_map(self) -> Callable[[str], tuple[str, object] | None]:
         """A function from a checkpoint tensor name to (our parameter name, shard key or None),
         `OTHER_RANK` for a tensor only other ranks load, or None for a tensor this model does not use."""
@@ -259,8 +325,11 @@ class CausalLM(nn.Module):
         }
 
         vision = self.config.vision
+        held = self._held_by_stage()
 
         def mapped(name: str) -> tuple[str, object] | None:
+            if not held(name):
+                return OTHER_RANK
             if vision is not None:  # the decoder's names under `model.`, the encoder's under `vision.`
                 name = vision.checkpoint_name(name)
                 if name.startswith("vision."):

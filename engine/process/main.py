@@ -60,6 +60,8 @@ class LoadSpec:
     log_level: int = logging.INFO
     tensor_parallel_size: int = 1  # > 1: this process is rank 0 of a sharded engine (`engine/process/ranks.py`)
     expert_parallel: bool = False
+    pipeline_parallel_size: int = 1  # stages, each of `tensor_parallel_size` ranks
+    pipeline_layer_split: str = ""  # layers per stage, e.g. "10,10,12" ("": even)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -347,7 +349,7 @@ def main(argv: list[str]) -> int:
             hook, grammar = _factory(spec.grammar)(loaded.tokenizer, loaded.config.vocab_size)
         from engine.engine import Engine
 
-        if parallel.sharded:
+        if parallel.distributed:
             runner = ranks.driver_runner(model, config, parallel, watchdog)
         engine = Engine(
             model, loaded.tokenizer, config, grammar_hook=hook, fingerprint=loaded.stats.fingerprint,
@@ -389,7 +391,7 @@ def main(argv: list[str]) -> int:
         return 1  # the other ranks (if any) end when this process does: their watchdogs lose the store
     # Commit waits only have something to wait for with a Redis tier (without one the loop answers them at once).
     # A sharded engine's commit wait is a collective: it runs on the loop's thread, between steps.
-    waiter = _CommitWaiter(engine, ctx, out_addr) if config.kv_redis_url and not parallel.sharded else None
+    waiter = _CommitWaiter(engine, ctx, out_addr) if config.kv_redis_url and not parallel.distributed else None
     try:
         CoreLoop(engine, pull, push, grammar, parent, waiter, compiler).run()
     finally:

@@ -26,7 +26,7 @@ log = logging.getLogger("longctx.engine")
 
 def world_size(spec: Any) -> int:
     """Ranks the spec asks for (1: one process)."""
-    return int(spec.tensor_parallel_size)
+    return int(spec.tensor_parallel_size * spec.pipeline_parallel_size)
 
 
 def is_worker(spec: Any) -> bool:
@@ -46,8 +46,15 @@ def join(spec: Any) -> tuple[ParallelContext, Watchdog | None]:
     import torch
 
     from engine.distributed.launch import init_parallel
+    from engine.distributed.parallel import parse_layer_split
 
-    parallel, watchdog = init_parallel(world_size(spec), spec.expert_parallel, spec.load.get("device", "cpu"))
+    parallel, watchdog = init_parallel(
+        spec.tensor_parallel_size,
+        spec.expert_parallel,
+        spec.load.get("device", "cpu"),
+        pipeline_size=spec.pipeline_parallel_size,
+        layer_split=parse_layer_split(spec.pipeline_layer_split),
+    )
     if spec.threads:
         torch.set_num_threads(spec.threads)
     return parallel, watchdog
@@ -85,7 +92,7 @@ def driver_runner(model: CausalLM, config: Any, parallel: ParallelContext, watch
 def stop_workers(runner: Any, parallel: ParallelContext, watchdog: Watchdog | None) -> None:
     """Rank 0's orderly end: tell the other ranks to stop (or, before the engine was built,
     that there will be none), wait for them, leave the group."""
-    if not parallel.sharded:
+    if not parallel.distributed:
         return
     from engine.distributed.launch import finish_parallel
 
@@ -105,9 +112,9 @@ def worker_main(spec: Any) -> int:
 
     parallel, watchdog = join(spec)
     loaded = load(**spec.load, parallel=parallel)
-    log.info("rank %d: shard loaded (%.1f MB read)", parallel.rank, loaded.stats.bytes_read / 1e6)
+    log.info("rank %d: shard loaded (%.1f MB read)", parallel.global_rank, loaded.stats.bytes_read / 1e6)
     steps = serve_worker(loaded.model, parallel, watchdog, loaded.stats.fingerprint)
-    log.info("rank %d: stopped after %d steps", parallel.rank, steps)
+    log.info("rank %d: stopped after %d steps", parallel.global_rank, steps)
     if watchdog is not None:
         finish_parallel(watchdog)
     return 0
