@@ -56,7 +56,8 @@ class ImageParts:
         )
 
     async def check_items(self, items: Sequence[Item], where: str = "input") -> None:
-        """Every image part of a request's input items, read and checked (see the module docstring)."""
+        """Every image part of a request's input items, read and checked (an http(s) part keeps
+        the bytes fetched: `InputImage.fetched`; see the module docstring)."""
         found = images_of(list(items))
         for n, (i, j, part) in enumerate(found):
             param = f"{where}[{i}].content[{j}]"

@@ -228,6 +228,13 @@ def test_a_fetched_url_part_is_stored_by_reference_and_reads_back_as_sent(target
         assert await image_keys(store, cid) == {sha(PIC_B): 2}
         await store.responses.delete("t", resp)
         assert await image_keys(store, cid) == {}
+        # a `previous_response_id` chain renders from the stored bytes as well
+        alone = reply(None)
+        await store.responses.save("t", alone, [fetched(sent, PIC_A)])
+        chain = await store.responses.load_chain("t", alone.id)
+        assert part(chain.links[0].input_items[0]).fetched == PIC_A
+        await store.responses.delete("t", alone.id)
+        assert await image_keys(store, alone.id) == {}
 
     run(target, body)
 
