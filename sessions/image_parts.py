@@ -9,8 +9,11 @@ resolution is the model's). Every refusal is an `InvalidParam` naming the part
 (`input[0].content[1].image_url`, `messages[2].content[0].image_url`); on a model without a vision
 encoder any image part is a 400 naming the model.
 
-Bytes are kept by URL (a bounded LRU), so the check of a request and the rendering of its prompt
-read a part once; the items of a conversation's later turns are read again from their URLs.
+An http(s) part is fetched once, when its request is checked: the bytes stay on the part
+(`InputImage.fetched`), its turn's prompt is rendered from them, and the store keeps them by
+reference (`sessions.image_store`), so a later turn (after a restart, on another replica) renders
+the bytes first fetched, never the URL's content of the day. Data URLs' bytes are kept by URL in a
+bounded LRU, so a conversation's images are not decoded and checked again on every turn.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class ImageParts:
         )
 
     async def check_items(self, items: Sequence[Item], where: str = "input") -> None:
-        """Every image part of a request's input items, read and checked (see the module docstring)."""
+        """Every image part of a request's input items, read and checked (an http(s) part keeps
+        the bytes fetched: `InputImage.fetched`; see the module docstring)."""
         found = images_of(list(items))
         for n, (i, j, part) in enumerate(found):
             param = f"{where}[{i}].content[{j}]"
@@ -69,10 +73,15 @@ class ImageParts:
             raise InvalidParam(f"{param}.file_id", "file_id is not supported; send the image as image_url")
         if not isinstance(part.image_url, str):
             raise InvalidParam(f"{param}.image_url", "an input_image needs an image_url")
-        return await self.url_bytes(part.image_url, f"{param}.image_url")
+        if part.fetched is not None:
+            return part.fetched
+        data = await self.url_bytes(part.image_url, f"{param}.image_url")
+        if not part.image_url.startswith("data:"):
+            part.keep_fetched(data)
+        return data
 
     async def url_bytes(self, url: str, param: str) -> bytes:
-        """The checked bytes of a data URL or (when allowed) an http(s) URL."""
+        """The checked bytes of a data URL or (when allowed) an http(s) URL, fetched now."""
         key = hashlib.sha256(url.encode()).digest()
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -92,7 +101,8 @@ class ImageParts:
         else:
             raise InvalidParam(param, "expected a data URL (data:image/...;base64,...) or an http(s) URL")
         check_image(data, param, c)
-        self._keep(key, data)
+        if url.startswith("data:"):  # a URL's content may change: each request fetches its own
+            self._keep(key, data)
         return data
 
     def _data_url(self, url: str, param: str) -> bytes:

@@ -7,11 +7,18 @@ parameters stay as sent), and the bytes lie once in `P:{t}:img:<sha256>` (a hash
 raw bytes, `refs` how many stored parts point at it). `t` is the slot tag of the conversation or
 response that holds the item, so a conversation, its responses and the `previous_response_id`
 chains that continue them share their images, and every key a script touches lies in one slot.
+A part sent as an http(s) URL, whose bytes its request fetched (`InputImage.fetched`), is stored
+the same way with its URL whole: `{"image_url": "https://…", "image_ref": "<sha256 hex>", …}`,
+the bytes under the same key and counted the same (the same picture sent as a data URL and as a
+URL is one key).
 
 Reading a stored item puts the URL back together: head + "," + base64(bytes) is the part as it
 was sent, byte for byte, because only a payload that is the canonical base64 of its bytes is
-stored by reference; any other part (an http(s) URL, a `file_id`, a data URL whose base64 is
-not canonical or does not decode) stays inline as before, and items written before this layout
+stored by reference. An http(s) part reads back as its URL, the stored bytes kept on the part
+(`InputImage.fetched`, never in the API's JSON) for rendering, so a later turn never fetches the
+URL again (it may be gone, or show another picture, which would change the prompt and miss the
+cached pages). Any other part (an http(s) URL never fetched, a `file_id`, a data URL whose base64
+is not canonical or does not decode) stays inline as before, and items written before this layout
 (every image inline) read as they always did.
 
 Reference counting (`IMAGES_LUA` below, run inside the scripts of `sessions.scripts` that write
@@ -125,7 +132,8 @@ def data_url_bytes(url: str) -> tuple[str, bytes] | None:
 
 
 def store_items(items: Iterable[Item]) -> Stored:
-    """The stored form of `items`: each data-URL image part by reference (module docstring)."""
+    """The stored form of `items`: each data-URL image part, and each fetched http(s) one, by
+    reference (module docstring)."""
     pairs: list[Any] = []
     images: dict[str, bytes] = {}
     for item in items:
@@ -141,13 +149,15 @@ def _stored_json(item: Item, images: dict[str, bytes]) -> bytes:
     for j, part in enumerate(item.content):
         if not isinstance(part, InputImage) or not isinstance(part.image_url, str):
             continue
-        split = data_url_bytes(part.image_url)
-        if split is None:
+        if part.fetched is not None and part.image_url.startswith(("http://", "https://")):
+            head, data = part.image_url, part.fetched  # the URL stays whole beside its bytes
+        elif (split := data_url_bytes(part.image_url)) is not None:
+            head, data = split[0] + ",", split[1]
+        else:
             continue
-        head, data = split
         sha = hashlib.sha256(data).hexdigest()
         images[sha] = data
-        wire["content"][j]["image_url"] = head + ","
+        wire["content"][j]["image_url"] = head
         wire["content"][j]["image_ref"] = sha
     return msgspec.json.encode(wire)
 
@@ -179,11 +189,13 @@ def load_items(bodies: Sequence[bytes | None], flat_images: Sequence[bytes | Non
 
 
 def load_item(body: bytes, images: dict[str, bytes]) -> Item:
-    """One stored item with its referenced images put back into their data URLs."""
+    """One stored item with its referenced images put back into their data URLs, or (an http(s)
+    URL) kept on their parts as `InputImage.fetched`."""
     if REF not in body:
         return decode_item(body)
     wire = msgspec.json.decode(body)
-    for part in wire.get("content") or ():
+    fetched: dict[int, bytes] = {}  # part index -> the bytes of an http(s) part
+    for j, part in enumerate(wire.get("content") or ()):
         sha = part.pop("image_ref", None) if isinstance(part, dict) else None
         if sha is None:
             continue
@@ -191,5 +203,14 @@ def load_item(body: bytes, images: dict[str, bytes]) -> Item:
         if data is None:  # cannot happen while the counts hold; the part then reads as unreadable
             log.warning("stored image %s of item %s is missing", sha, wire.get("id"))
             continue
-        part["image_url"] += base64.b64encode(data).decode()
-    return decode_item(msgspec.json.encode(wire))
+        if part["image_url"].startswith("data:"):
+            part["image_url"] += base64.b64encode(data).decode()
+        else:
+            fetched[j] = data
+    item = decode_item(msgspec.json.encode(wire))
+    for j, data in fetched.items():
+        assert isinstance(item, Message)
+        part = item.content[j]
+        assert isinstance(part, InputImage)
+        part.keep_fetched(data)
+    return item

@@ -53,12 +53,25 @@ class InputText(msgspec.Struct, tag="input_text", tag_field="type"):
     text: str
 
 
-class InputImage(msgspec.Struct, tag="input_image", tag_field="type", kw_only=True, omit_defaults=True):
-    """An image: a data URL or an http(s) URL in `image_url` (a `file_id` is refused when read)."""
+class InputImage(msgspec.Struct, tag="input_image", tag_field="type", kw_only=True, omit_defaults=True, dict=True):
+    """An image: a data URL or an http(s) URL in `image_url` (a `file_id` is refused when read).
+
+    A part with an http(s) URL carries, once read, the bytes fetched for it (`fetched`), so the
+    turn that sent it and every later rendering use those bytes and never fetch the URL again.
+    They live in the instance's `__dict__`, which msgspec never encodes or decodes: they cannot
+    leak into the API's JSON, nor be sent by a client."""
 
     image_url: str | UnsetType = UNSET
     file_id: str | UnsetType = UNSET
     detail: Literal["auto", "low", "high", "original"] | UnsetType = UNSET
+
+    @property
+    def fetched(self) -> bytes | None:
+        """The bytes read for an http(s) `image_url` (by the request's checks, or from the store)."""
+        return self.__dict__.get("fetched")
+
+    def keep_fetched(self, data: bytes) -> None:
+        self.__dict__["fetched"] = data
 
 
 class OutputText(msgspec.Struct, tag="output_text", tag_field="type", kw_only=True):

@@ -2,8 +2,10 @@
 image is stored once per conversation however often it is sent, items point at it and read back
 byte-identical (items, one item, a turn's context, a response's input items, a chain); deleting
 items, the conversation and its responses deletes the images nothing points at any more; saving a
-response again counts nothing twice; parts that are not canonical base64 data URLs stay inline;
-items written before (image inline) still read."""
+response again counts nothing twice; an http(s) part whose bytes were fetched is stored the same
+way, its URL whole, and reads back as sent with its bytes on the part for rendering; parts that
+are neither (a URL never fetched, a data URL that is not canonical base64) stay inline; items
+written before (image inline) still read."""
 
 from __future__ import annotations
 
@@ -173,6 +175,66 @@ def test_a_response_saved_again_and_a_chain(target: tuple[str, str]) -> None:
         assert await image_keys(store, first.id) == {sha(PIC_A): 1, sha(PIC_B): 1}
         await store.responses.delete("t", second.id)
         assert await image_keys(store, first.id) == {}
+
+    run(target, body)
+
+
+def fetched(image_url: str, data: bytes, text: str = "What is this?") -> Item:
+    """An item whose http(s) image part was fetched (as `ImageParts.check_items` leaves it)."""
+    item = with_image(image_url, text)
+    part(item).keep_fetched(data)
+    return item
+
+
+def part(item: Item) -> InputImage:
+    """The first part of a message, an image."""
+    assert isinstance(item, Message)
+    first = item.content[0]
+    assert isinstance(first, InputImage)
+    return first
+
+
+def test_a_fetched_url_part_is_stored_by_reference_and_reads_back_as_sent(target: tuple[str, str]) -> None:
+    sent = "https://example.com/cat.gif"
+
+    async def body(store: SessionStore) -> None:
+        first, again = fetched(sent, PIC_B), fetched(sent, PIC_B, "again")
+        cid = (await store.conversations.create("t", items=[first])).conversation.id
+        # the same bytes sent as a data URL are the same key
+        resp = await turn(store, cid, [again, with_image(url(PIC_B, "image/gif"))])
+        assert await image_keys(store, cid) == {sha(PIC_B): 5}  # 3 conversation items, 2 input items
+        raw = await store.client.hget(store.keys.items(cid), first.id)  # type: ignore[misc]
+        assert isinstance(raw, bytes) and base64.b64encode(PIC_B)[:64] not in raw
+        assert msgspec.json.decode(raw)["content"][0] == {
+            "type": "input_image",
+            "image_url": sent,
+            "image_ref": sha(PIC_B),
+            "detail": "low",
+        }
+        items = (await store.conversations.list_items("t", cid, order="asc")).items
+        assert items[:2] == [first, again] and part(items[0]).fetched == PIC_B == part(items[1]).fetched
+        assert msgspec.json.decode(msgspec.json.encode(items[0]))["content"][0] == {
+            "type": "input_image",
+            "image_url": sent,
+            "detail": "low",
+        }
+        assert part(await store.conversations.get_item("t", cid, again.id)).fetched == PIC_B
+        assert part((await store.conversations.load("t", cid)).items[0]).fetched == PIC_B  # what a turn renders
+        inputs = (await store.responses.list_input_items("t", resp, order="asc")).items
+        assert inputs[0] == again and part(inputs[0]).fetched == PIC_B
+        await store.conversations.delete_item("t", cid, first.id)
+        assert await image_keys(store, cid) == {sha(PIC_B): 4}
+        await store.conversations.delete("t", cid)
+        assert await image_keys(store, cid) == {sha(PIC_B): 2}
+        await store.responses.delete("t", resp)
+        assert await image_keys(store, cid) == {}
+        # a `previous_response_id` chain renders from the stored bytes as well
+        alone = reply(None)
+        await store.responses.save("t", alone, [fetched(sent, PIC_A)])
+        chain = await store.responses.load_chain("t", alone.id)
+        assert part(chain.links[0].input_items[0]).fetched == PIC_A
+        await store.responses.delete("t", alone.id)
+        assert await image_keys(store, alone.id) == {}
 
     run(target, body)
 

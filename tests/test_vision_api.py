@@ -3,9 +3,10 @@ checkpoint (float32) and the shared test Redis. Responses `input_image` and Chat
 parts as data URLs, streamed and not, answer transformers' greedy text for the same prompt; usage
 counts the image's placeholder tokens; a conversation's next turn renders the stored image again
 and finds its pages in the prefix cache; an http URL on a loopback server is fetched with
-`--allow-private-image-urls`; bad, too large and too many images are 400s naming the part. The
-URL policy itself (loopback refused without the flag, URLs off by default) is checked on
-`sessions.image_parts` against the same loopback server."""
+`--allow-private-image-urls`, once: the next turn renders its stored bytes after the URL is
+gone; bad, too large and too many images are 400s naming the part. The URL policy itself
+(loopback refused without the flag, URLs off by default) is checked on `sessions.image_parts`
+against the same loopback server."""
 
 from __future__ import annotations
 
@@ -172,16 +173,39 @@ def test_conversation_renders_its_image_again(server: Server, client: openai.Ope
     assert image_keys(server, conv.id) == {}
 
 
-def test_image_url_fetched_from_loopback_with_the_flag(vlm: TinyVLM, client: openai.OpenAI, files: str) -> None:
-    n_prompt, text = expected(vlm, png(3, fmt="GIF"), 4)
-    resp = client.responses.create(
-        model="vlm",
-        input=user_turn(files + "/cat.gif"),
-        temperature=0,
-        max_output_tokens=4,
+def test_image_url_fetched_from_loopback_with_the_flag(
+    vlm: TinyVLM, server: Server, client: openai.OpenAI, files: str
+) -> None:
+    """The URL is fetched once: in a conversation its bytes are stored, and the next turn renders
+    them (its pages found again) after the URL has gone; the items still return the URL."""
+    gif = png(3, fmt="GIF")
+    n_prompt, text = expected(vlm, gif, 4)
+    Files.files["/gone.gif"] = gif
+    url = files + "/gone.gif"
+    conv = client.conversations.create()
+    first = client.responses.create(
+        model="vlm", conversation=conv.id, input=user_turn(url), temperature=0, max_output_tokens=4
     )
-    assert resp.usage is not None and resp.usage.input_tokens == n_prompt
-    assert text.startswith(resp.output_text) and resp.output_text
+    assert first.usage is not None and first.usage.input_tokens == n_prompt
+    assert text.startswith(first.output_text) and first.output_text
+    assert list(image_keys(server, conv.id).values()) == [len(gif)]
+    del Files.files["/gone.gif"]  # the URL now answers 404
+    assert "404" in _bad(client, "/responses", {"model": "vlm", "input": user_turn(url)})["message"]
+    second = client.responses.create(
+        model="vlm", conversation=conv.id, input="And now?", temperature=0, max_output_tokens=4
+    )
+    assert second.status == "completed" or second.incomplete_details is not None
+    assert second.usage is not None and second.usage.input_tokens > n_prompt + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= n_prompt // 16 * 16 > 0
+    sent = {"type": "input_image", "image_url": url, "detail": "auto"}
+    items = client.conversations.items.list(conv.id, order="asc").data
+    assert items[0].model_dump(exclude_none=True)["content"][0] == sent
+    got = client.responses.input_items.list(first.id).data[0].model_dump(exclude_none=True)["content"][0]
+    assert got == sent
+    client.conversations.delete(conv.id)
+    for r in (first, second):
+        client.responses.delete(r.id)
+    assert image_keys(server, conv.id) == {}
 
 
 def _bad(client: openai.OpenAI, path: str, body: dict[str, Any]) -> dict[str, Any]:
