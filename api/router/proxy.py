@@ -22,7 +22,6 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -37,6 +36,7 @@ from api.router.affinity import (
     request_key,
     tenant_of,
 )
+from api.router.asgi import Receive, Scope, Send
 from api.router.keys import refusal
 from api.router.metrics import RouterCounters, render
 from api.router.registry import Entry
@@ -45,9 +45,6 @@ from api.router.ws_relay import DenialNoise, relay_socket
 
 log = logging.getLogger("longctx.route")
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-connection"}
 SNIFF_BYTES = 4096  # of an answer, searched for the new response's id
 BALANCE_SLACK = 2  # a keyless request goes for its cached prefix to a replica this much busier at most

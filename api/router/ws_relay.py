@@ -26,17 +26,26 @@ import contextlib
 import json
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
-from api.router.affinity import RESPONSE_ID, id_key, parse_body, request_key, tenant_of
+from api.router.affinity import RESPONSE_ID, AffinityTable, id_key, parse_body, request_key, tenant_of
+from api.router.asgi import Receive, Scope, Send
 from api.router.keys import refusal
-from api.router.replicas import OVERLOADED, Replica
+from api.router.metrics import RouterCounters
+from api.router.replicas import OVERLOADED, Replica, Replicas
 
-if TYPE_CHECKING:
-    from api.router.proxy import Receive, Router, Scope, Send
+
+class Router(Protocol):
+    """What the relay uses of `api.router.proxy.Router`: its replicas, keys, affinity table and counters."""
+
+    replicas: Replicas
+    keys: dict[str, str] | None
+    table: AffinityTable
+    counters: RouterCounters
+
 
 # a replica's events begin with their type (`api/ws.py` encodes `type` first)
 ENDS_TURN = re.compile(r'^\{"type":"(?:response\.(?:completed|incomplete|failed|cancelled)|error)"')

@@ -19,12 +19,27 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.model_runner import Chunk, ModelRunner
+
+class StageRunner(Protocol):
+    """What a stage uses of the model runner (`engine.model_runner.ModelRunner`, which calls
+    `run_stage`): its model, device, attention backend and KV cache, the step's inputs and counters."""
+
+    model: Any
+    device: torch.device
+    backend: Any
+    kv_cache: Any
+    max_micro_batches: int
+    busy_s: float
+    wall_s: float
+
+    def inputs(self, chunks: Any, all_logits: bool) -> tuple[Any, torch.Tensor, torch.Tensor | None]: ...
+
+    def count(self, chunks: Any) -> None: ...
 
 
 def micro_batches(token_counts: list[int], stages: int, most: int) -> list[int]:
@@ -46,7 +61,7 @@ def micro_batches(token_counts: list[int], stages: int, most: int) -> list[int]:
     return bounds
 
 
-def run_stage(runner: ModelRunner, chunks: list[Chunk], all_logits: bool, bounds: list[int] | None) -> torch.Tensor:
+def run_stage(runner: StageRunner, chunks: Sequence[Any], all_logits: bool, bounds: list[int] | None) -> torch.Tensor:
     """This rank's stage of one step (see the module's docstring).
 
     Args:
