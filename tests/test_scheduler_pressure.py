@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -230,14 +230,7 @@ def test_reuse_under_pressure_random() -> None:
     number of steps: every later turn is served >= 90% of its history (checked page by page),
     no stall (bounded steps), every request finishes, every reference comes back. The scenarios
     must actually restore from the tier and through delayed fetches."""
-    STATS.update(examples=0, restored=0, delayed=0, preempted_or_unpinned=0)
-    _reuse_under_pressure()
-    n = STATS["examples"]
-    assert n >= EXAMPLES // 2, STATS
-    assert STATS["restored"] >= 0.7 * n and STATS["delayed"] >= 0.5 * n, STATS
-    # pressure: running ones took pages back. How many scenarios reach it depends on when the fetch
-    # threads finish: 91 of 300 on an idle machine, 58 in a loaded full run (two workers)
-    assert STATS["preempted_or_unpinned"] >= 0.15 * n, STATS
+    _covered(_reuse_under_pressure, EXAMPLES)
 
 
 REDIS_EXAMPLES = 100
@@ -256,9 +249,17 @@ def test_reuse_under_pressure_random_redis_only(kv_redis: tuple[str, str]) -> No
     def reuse(sc: Scenario) -> None:
         _check(*_run(sc, url, f"{prefix}:{next(_redis_examples)}"))
 
+    _covered(reuse, REDIS_EXAMPLES)
+
+
+def _covered(run: Callable[[], None], examples: int) -> None:
+    """`run` (a hypothesis test over `_run`'s scenarios) counted afresh: enough scenarios ran, and
+    enough of them restored from the tier, waited on delayed fetches and took pages back."""
     STATS.update(examples=0, restored=0, delayed=0, preempted_or_unpinned=0)
-    reuse()
+    run()
     n = STATS["examples"]
-    assert n >= REDIS_EXAMPLES // 2, STATS
+    assert n >= examples // 2, STATS
     assert STATS["restored"] >= 0.7 * n and STATS["delayed"] >= 0.5 * n, STATS
+    # pressure: running ones took pages back. How many scenarios reach it depends on when the fetch
+    # threads finish: 91 of 300 on an idle machine, 58 in a loaded full run (two workers)
     assert STATS["preempted_or_unpinned"] >= 0.15 * n, STATS
