@@ -47,7 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("longctx.serve")
 
 T = TypeVar("T")
-WARMUP_PROMPT = "Hello"
+# The warm-up's prompt: long enough that its prefill measures this engine's rate (what a tier
+# lookup's wait is weighed against: `engine.scheduling.prefill_rate`), short enough to cost little.
+WARMUP_PROMPT = " ".join(f"Bees of hive {i} made honey." for i in range(12))
+WARMUP_TOKENS = 64
 ENGINE_DEATH_EXIT_S = 1.0  # `/ready` says `engine_stopped` this long before the server exits 1
 
 
@@ -193,7 +196,8 @@ class Startup:
     def _warm_up(engine: Any, grammar: Any) -> None:
         from engine.sampling_params import SamplingParams
 
-        handle = engine.add_request(engine.tokenizer.encode(WARMUP_PROMPT), SamplingParams(max_tokens=2))
+        ids = engine.tokenizer.encode(WARMUP_PROMPT)[: max(1, min(WARMUP_TOKENS, engine.max_model_len - 2))]
+        handle = engine.add_request(ids, SamplingParams(max_tokens=2))
         for out in handle:
             if out.error:
                 raise RuntimeError(f"warm-up generation failed: {out.error}")

@@ -60,7 +60,9 @@ def test_transfer_estimate_separates_round_trip_and_rate() -> None:
 def test_prefill_rate_weights_steps_by_size() -> None:
     rate = PrefillRate(prior_tokens_per_s=1000.0)
     rate.observe(4, 0.01)  # 400 tokens/s, but a tiny step: mostly fixed overhead
-    assert rate.tokens_per_s > 990
+    assert rate.tokens_per_s > 990 and not rate.measured
+    rate.observe(64, 0.5)  # the first sizeable step (the warm-up) replaces the prior outright
+    assert rate.measured and rate.tokens_per_s == pytest.approx(128)
     for _ in range(30):
         rate.observe(512, 0.1)
     assert rate.tokens_per_s == pytest.approx(5120, rel=0.01) and rate.seconds(5120) == pytest.approx(1.0, rel=0.01)
