@@ -107,9 +107,9 @@ def run_logits(model_dir: Path, out: Path, modes: list[str]) -> None:
     tp, pp = layouts.pop()
     base, watchdog = init_parallel(tp, pipeline_size=pp)
     if "compiled" in modes:
-        from engine.model.compile_setup import configure
+        from tests.compile_cache import configure_compile
 
-        configure(out / f"compile-{base.rank}")
+        configure_compile(out / f"compile-{base.rank}" / "graphs")  # the graphs per rank, inductor's cache shared
     for mode in modes:  # one process group, the model built again per mode
         kind, _, quant = mode.partition("-")
         ctx = dataclasses.replace(base, expert_parallel=kind in ("ep", "ppep"))

@@ -20,6 +20,7 @@ from engine.model.compile_setup import compile_available
 from engine.process.client import EngineClient
 from engine.process.main import LoadSpec
 from engine.sampling_params import SamplingParams
+from tests.compile_cache import INDUCTOR
 
 pytestmark = [
     pytest.mark.slow,
@@ -31,11 +32,12 @@ WAIT_S = 600.0  # a cold compile of three graphs on 2 busy cores
 
 @pytest.fixture(scope="module")
 def home(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A fresh LONGCTX_HOME: an empty graph store; inductor's cache from the pytest cache, the
-    kernels of the run."""
+    """A fresh LONGCTX_HOME: an empty graph store; the tests' one inductor cache
+    (`tests.compile_cache`), the kernels of the run."""
     home = tmp_path_factory.mktemp("home")
     (home / "compile").mkdir()
-    (home / "compile" / "inductor").symlink_to(request.config.cache.mkdir("longctx-bg-inductor"))
+    INDUCTOR.mkdir(parents=True, exist_ok=True)
+    (home / "compile" / "inductor").symlink_to(INDUCTOR)
     (home / "kernels").symlink_to(longctx_home() / "kernels")  # the run's one build (tests/conftest.py)
     before = os.environ.get("LONGCTX_HOME")
     os.environ["LONGCTX_HOME"] = str(home)  # the engine process inherits it, and its compiler

@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralFo
 from engine.attention import cpu_kernel
 from engine.loading.weights import SafetensorsSource, load_model
 from engine.model import linear, quant
-from engine.model.compile_setup import compile_available, configure, prepare
+from engine.model.compile_setup import compile_available, prepare
 from engine.model.compiled import CompiledStep
 from engine.model.graph_store import NativeGraph
 from engine.model.linear_bf16 import WidenedLinear
@@ -32,6 +32,7 @@ from engine.model.quant import QuantConfig
 from engine.model.regions import post_attention, pre_attention
 from engine.model_runner import Chunk
 from kvstore.block_pool import BlockPool
+from tests.compile_cache import configure_compile
 from tests.tiny_models import TinyModel, build_tiny, make_runner
 
 pytestmark = pytest.mark.skipif(compile_available() is not None, reason=f"cannot compile: {compile_available()}")
@@ -67,7 +68,7 @@ def _setup(request: pytest.FixtureRequest, graph_dir: Path) -> Iterator[None]:
     # dynamo's caches live on code objects: a module run earlier in this process (xdist worker)
     # may have traced the same regions, and this module counts the graphs it traces itself
     torch._dynamo.reset()
-    configure(Path(request.config.cache.mkdir("longctx-compile")), graph_dir)
+    configure_compile(graph_dir)
     prepare()
     yield
     torch.set_num_threads(threads)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +26,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from engine.loading.weights import SafetensorsSource, load_model
-from engine.model.compile_setup import compile_available, configure, prepare
+from engine.model.compile_setup import compile_available, prepare
 from engine.model.head import FloatHead
 from engine.model.linear import PackedLinear
 from engine.model.linear_bf16 import WidenedLinear
@@ -47,6 +46,7 @@ from engine.verify.paths import (
     reference,
     run_schedule,
 )
+from tests.compile_cache import configure_compile
 from tests.tiny_models import TinyModel, build_tiny
 
 # Floors of top-1 agreement (where float32 decides) and ceilings of the relative logit error,
@@ -74,7 +74,7 @@ def _setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         pytest.skip(f"cannot compile: {compile_available()}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    configure(Path(request.config.cache.mkdir("longctx-compile")), tmp_path_factory.mktemp("graphs"))
+    configure_compile(tmp_path_factory.mktemp("graphs"))
     prepare()
     yield
     torch.set_num_threads(threads)

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.compile_setup import compile_available, configure, prepare
+from engine.model.compile_setup import compile_available, prepare
 from engine.model.compiled import CompiledStep
+from tests.compile_cache import configure_compile
 from tests.tiny_models import rel_error
 from tests.vision_models import (
     TinyVLM,
@@ -39,7 +40,7 @@ def compiled_setup(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[N
     shapes: its graphs are found in inductor's cache there)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    configure(Path(request.config.cache.mkdir("longctx-compile")), tmp_path / "graphs")
+    configure_compile(tmp_path / "graphs")
     prepare()
     yield
     torch.set_num_threads(threads)
