@@ -39,10 +39,11 @@ compiler: $(STAMP)
 		  (sudo apt-get update -q && sudo apt-get install -y -q g++ python3-dev) )
 
 # Two pytest workers (pytest-xdist), one test module at a time each (its module-scoped servers
-# start once): model loads, server starts and subprocesses of one overlap the other's work.
+# start once): model loads, server starts and subprocesses of one overlap the other's work. The
+# modules go out longest first (tests/module_costs.py), not by their number of tests.
 PYTEST_WORKERS ?= 2
 pytest: $(STAMP) pull redis compiler
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 test: lint typecheck pytest
 

@@ -11,8 +11,13 @@ from engine.attention import cpu_kernel
 from engine.loading.loader import LoadedModel, load
 from engine.loading.model_source import longctx_home, pull_demo
 from tests.cores import THREADS
+from tests.module_costs import order_longest_first
 
 KERNELS = longctx_home() / "kernels"  # the CPU kernels' build, shared by every process of the run
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order_longest_first(items)  # the workers take the longest modules first (tests/module_costs.py)
 
 
 @pytest.fixture(scope="session", autouse=True)
