@@ -6,9 +6,12 @@ engine process dies answers `/ready` 503 `engine_stopped`, then exits 1."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -179,7 +182,16 @@ def test_death_ends_every_open_request(tiny_model: Path) -> None:
     assert deaths and not client.alive
     with pytest.raises(EngineClosed):
         client.add_request(ids, long)
-    client.shutdown()
+    # Dropped without `shutdown` (its channel's sockets left open): collecting it must not block
+    # (a context of its own would wait in its finalizer for those sockets, forever).
+    # A callback that holds its client, as a server's does, puts it in a reference cycle.
+    client._reader.join(timeout=10)
+    client.on_death = functools.partial(lambda c, reason: None, client)
+    del client, handle
+    collecting = threading.Thread(target=gc.collect, daemon=True)
+    collecting.start()
+    collecting.join(timeout=20)
+    assert not collecting.is_alive(), "the garbage collector blocked on a dropped engine client"
 
 
 def test_server_answers_503_then_exits_1_when_its_engine_process_dies(tiny_model: Path, tmp_path: Path) -> None:

@@ -97,7 +97,10 @@ class EngineClient(Generates):
         self.on_death = on_death
         self._dir = tempfile.mkdtemp(prefix="longctx-core-")
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._ctx = zmq.Context()
+        # The process's shared context, never a context of our own: a context left to the garbage
+        # collector (a client dropped without `shutdown`, its sockets in the same cycle) blocks
+        # forever in its finalizer's `term()`, wherever the collection happens to run.
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._to = self._ctx.socket(zmq.PUSH)
         self._to.setsockopt(zmq.LINGER, 0)
         self._to.bind(in_addr)
@@ -343,6 +346,9 @@ class EngineClient(Generates):
         except Exception as e:  # a decoding bug: nothing more can be trusted from the channel
             log.exception("engine channel failed")
             self._died(f"the engine channel failed: {e}")
+        finally:
+            if self._closing:  # `shutdown` found this thread alive and left the socket to it
+                self._from.close(linger=0)
 
     def _on_compiled(self, report: Any) -> None:
         self.compile_report = report
@@ -433,9 +439,8 @@ class EngineClient(Generates):
         self._end_all(FinishReason.ABORT, None)
         with self._send_lock:
             self._to.close(linger=0)
-        if not self._reader.is_alive():
+        if not self._reader.is_alive():  # else the reader closes it as it ends
             self._from.close(linger=0)
-            self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> EngineClient:
