@@ -28,6 +28,12 @@ from tests.redis_cluster import LocalCluster, local_cluster
 from tests.redis_server import shared_redis, unique_prefix
 
 LEASE_MS = 200
+# A store call retries transient Redis errors for `retry_budget_s` (1 s by default), then raises
+# StoreUnavailable. Here that budget once ran out on a loaded CI machine while a restarted
+# replica's cluster client connected to a node (a TCP connect to loopback still pending after
+# 1 s): the servers were up, the machine was slow. This test is about what interleavings do to
+# the items, not latency, so each call may take this long before it counts as Redis being gone.
+RETRY_BUDGET_S = 30.0
 OPS = ("start", "start", "finish", "finish", "kill", "rerun", "late_commit", "expire")
 
 
@@ -52,7 +58,7 @@ class Running:
 
 async def play(url: str, steps: list[tuple[str, int]]) -> None:
     prefix = unique_prefix()
-    config = StoreConfig(prefix=prefix, lease_ttl_ms=LEASE_MS)
+    config = StoreConfig(prefix=prefix, lease_ttl_ms=LEASE_MS, retry_budget_s=RETRY_BUDGET_S)
     stores = [SessionStore.connect(url, config) for _ in range(3)]
     cid = (await stores[0].conversations.create("t")).conversation.id
     running: list[Running | None] = [None, None, None]
