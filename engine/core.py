@@ -110,7 +110,9 @@ class EngineCore:
                 connector = ShardedConnector(self.store, ops)
         self.connector: KVConnector = connector or NoConnector()
         self.pool = BlockPool(self.kv_cache.num_pages, on_evict=self.connector.evict)
-        self.prefill_rate = PrefillRate()  # what recomputing costs, against a tier lookup's wait
+        # what recomputing costs, against a tier lookup's wait: measured, or the configured rate
+        fixed = config.recompute_tokens_per_s
+        self.prefill_rate = PrefillRate(fixed, fixed=True) if fixed else PrefillRate()
         self.reclaim_window = reclaim_window(self.model_config)
         self.scheduler = Scheduler(
             self.pool,

@@ -22,6 +22,9 @@ class EngineConfig:
     kv_dtype: str = "auto"  # storage dtype in the host and Redis tiers: auto (the model's) or int8
     kv_redis_max_pending_bytes: int = 256 << 20  # page copies waiting to be written to Redis; more are dropped
     kv_lookup_timeout_s: float = 5.0  # the longest a request waits for host/Redis pages (less when recomputing wins)
+    # The prefill rate a lookup's wait is weighed against (tokens/s): 0 = measured from the steps
+    # (`engine/scheduling/prefill_rate.py`); a fixed rate pins that choice (a known device's rate).
+    recompute_tokens_per_s: float = 0.0
     max_prefill_tokens_per_request: int | None = None  # a chunk's cap while others wait (None: budget/2)
     max_queued: int = 256  # requests added and not yet running; past it add_request raises EngineOverloaded
     compile: bool = False  # the compiled step (`engine/model/compiled.py`) for steps of <= 64 tokens
@@ -46,5 +49,7 @@ class EngineConfig:
             raise ValueError(f"max_queued must be >= 1, got {self.max_queued}")
         if self.host_cache_bytes < 0 or self.kv_redis_ttl < 1:
             raise ValueError("host_cache_bytes must be >= 0 and kv_redis_ttl >= 1")
+        if self.recompute_tokens_per_s < 0:
+            raise ValueError(f"recompute_tokens_per_s must be >= 0, got {self.recompute_tokens_per_s}")
         if self.kv_redis_max_pending_bytes < 0 or self.kv_lookup_timeout_s < 0:
             raise ValueError("kv_redis_max_pending_bytes and kv_lookup_timeout_s must be >= 0")

@@ -18,7 +18,7 @@ from engine.request import EngineOverloaded, FinishReason
 from engine.sampling_params import SamplingParams
 from engine.snapshot import EngineSnapshot
 from tests.redis_server import shared_redis
-from tests.test_prefix import fingerprint_of, page_bytes
+from tests.test_prefix import SLOW_RECOMPUTE, fingerprint_of, page_bytes
 from tests.tiny_models import TinyModel, build_tiny
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -165,7 +165,10 @@ def test_cached_tokens_count_redis_pages(tiny: TinyModel) -> None:
     fp = fingerprint_of(tiny.path)
     a = _prompt(tiny, 70, 3)
     with shared_redis() as (url, prefix):
-        cfg = EngineConfig(kv_cache_bytes=64 * page_bytes(tiny.config), kv_redis_url=url, kv_redis_prefix=prefix)
+        cfg = EngineConfig(
+            kv_cache_bytes=64 * page_bytes(tiny.config), kv_redis_url=url, kv_redis_prefix=prefix,
+            recompute_tokens_per_s=SLOW_RECOMPUTE,  # the salted request's prefill must not talk it out of Redis
+        )  # fmt: skip
         first = Engine(tiny.model, None, cfg, fingerprint=fp)
         _greedy_ids(first, a, 1)
         assert first.store is not None and first.store.redis is not None and first.store.redis.flush()

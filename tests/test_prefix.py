@@ -123,6 +123,13 @@ def first_logits(engine: Engine, prompt: list[int], salt: str = "") -> tuple[tor
     return tap.logits[-1][-1], outs[-1].cached_tokens, engine.runner.num_tokens_computed - before
 
 
+# `EngineConfig.recompute_tokens_per_s` for tests of what a Redis tier restores: recomputing
+# counts as slow, so every lookup asks Redis and waits for it. With the measured rate a tiny
+# model's prefill (thousands of tokens/s) can beat a loaded machine's loopback round trip, and a
+# lookup then rightly skips Redis (tests/test_kv_lookup_deadline.py checks that choice).
+SLOW_RECOMPUTE = 100.0
+
+
 def page_bytes(config: Any, page_size: int = 16, itemsize: int = 4) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize * page_size
 

@@ -19,7 +19,7 @@ from kvstore.prefix import page_hashes
 from kvstore.redis_tier import BATCH_BYTES, RedisTier
 from kvstore.spec import KVSpec
 from tests.redis_server import private_redis, shared_redis
-from tests.test_prefix import fingerprint_of, first_logits, page_bytes
+from tests.test_prefix import SLOW_RECOMPUTE, fingerprint_of, first_logits, page_bytes
 from tests.tiny_models import TinyModel, build_tiny, one_thread
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
@@ -39,6 +39,7 @@ def kv_redis() -> Iterator[tuple[str, str]]:
 
 def _engine(tiny: tuple[TinyModel, str], url: str, prefix: str, **kw: Any) -> Engine:
     t, fp = tiny
+    kw.setdefault("recompute_tokens_per_s", SLOW_RECOMPUTE)  # every lookup asks Redis (see SLOW_RECOMPUTE)
     cfg = EngineConfig(kv_cache_bytes=64 * page_bytes(t.config), kv_redis_url=url, kv_redis_prefix=prefix, **kw)
     return Engine(t.model, None, cfg, fingerprint=fp)
 

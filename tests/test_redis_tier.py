@@ -20,7 +20,7 @@ from engine.engine import Engine, EngineConfig
 from kvstore.codec import PageCodec
 from kvstore.prefix import page_hashes
 from tests.redis_server import private_redis, shared_redis
-from tests.test_prefix import fingerprint_of, first_logits, page_bytes
+from tests.test_prefix import SLOW_RECOMPUTE, fingerprint_of, first_logits, page_bytes
 from tests.tiny_models import TinyModel, build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +40,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[TinyModel, str]:
 
 def _engine(tiny: tuple[TinyModel, str], url: str | None, prefix: str, pages: int = 64, **kw: Any) -> Engine:
     t, fp = tiny
+    kw.setdefault("recompute_tokens_per_s", SLOW_RECOMPUTE)
     cfg = EngineConfig(kv_cache_bytes=pages * page_bytes(t.config), kv_redis_url=url, kv_redis_prefix=prefix, **kw)
     return Engine(t.model, None, cfg, fingerprint=fp)
 
@@ -284,7 +285,10 @@ def test_pages_of_other_numerics_miss(tiny: tuple[TinyModel, str], kv_redis: tup
     config = numerics_variants(t.config)[change]
     model, stats = load_model(config, SafetensorsSource(t.path), torch.float32, progress=False)
     assert stats.fingerprint == fp  # the weights are the same
-    cfg = EngineConfig(kv_cache_bytes=64 * page_bytes(config), kv_redis_url=url, kv_redis_prefix=prefix)
+    cfg = EngineConfig(
+        kv_cache_bytes=64 * page_bytes(config), kv_redis_url=url, kv_redis_prefix=prefix,
+        recompute_tokens_per_s=SLOW_RECOMPUTE,
+    )  # fmt: skip
     other = Engine(model, None, cfg, fingerprint=fp)
     assert other.namespace.key != writer.namespace.key
     _, cached, _ = first_logits(other, prompt)

@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams
 from kvstore.prefix import page_hashes
 from tests.redis_server import shared_redis
 from tests.test_long_window import NEW, PAGE, PROMPT, WINDOW, random_ids, reference_greedy, windowed_mistral
-from tests.test_prefix import fingerprint_of, page_bytes
+from tests.test_prefix import SLOW_RECOMPUTE, fingerprint_of, page_bytes
 from tests.tiny_models import TinyModel, one_thread
 
 _one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
@@ -36,7 +36,11 @@ def windowed(tmp_path_factory: pytest.TempPathFactory) -> tuple[TinyModel, str]:
 def _engine(windowed: tuple[TinyModel, str], url: str, prefix: str) -> Engine:
     t, fp = windowed
     cfg = EngineConfig(
-        kv_cache_bytes=64 * page_bytes(t.config), page_size=PAGE, kv_redis_url=url, kv_redis_prefix=prefix
+        kv_cache_bytes=64 * page_bytes(t.config),
+        page_size=PAGE,
+        kv_redis_url=url,
+        kv_redis_prefix=prefix,
+        recompute_tokens_per_s=SLOW_RECOMPUTE,  # every lookup asks Redis (see SLOW_RECOMPUTE)
     )
     return Engine(t.model, None, cfg, fingerprint=fp)
 

@@ -22,6 +22,7 @@ class PrefillRate:
         fresh engine prefers a tier's pages to recomputing).
     alpha: weight of a step of `full_step_tokens` tokens or more (EWMA).
     calibrate_tokens: the first step at least this large replaces the prior.
+    fixed: keep the prior whatever the steps take (`EngineConfig.recompute_tokens_per_s`).
     """
 
     def __init__(
@@ -30,16 +31,18 @@ class PrefillRate:
         alpha: float = 0.3,
         full_step_tokens: int = 256,
         calibrate_tokens: int = 32,
+        fixed: bool = False,
     ):
         self.tokens_per_s = prior_tokens_per_s
         self.alpha = alpha
         self.full_step_tokens = full_step_tokens
         self.calibrate_tokens = calibrate_tokens
         self.measured = False  # a step of `calibrate_tokens` or more has replaced the prior
+        self.fixed = fixed
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A step that computed `num_tokens` (prefill chunks and any decodes) in `seconds`."""
-        if num_tokens <= 0 or seconds <= 0:
+        if num_tokens <= 0 or seconds <= 0 or self.fixed:
             return
         if not self.measured and num_tokens >= self.calibrate_tokens:
             self.tokens_per_s = num_tokens / seconds
