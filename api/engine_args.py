@@ -158,14 +158,18 @@ def want_compile(args: argparse.Namespace) -> bool:
     if asked is False:
         return False
     missing = compile_available()
-    cpu_single = args.device == "cpu" and world_size(args) == 1
+    world_size(args)  # the parallel flags' own checks first
+    cpu_unstaged = args.device == "cpu" and args.pipeline_parallel_size == 1
     if asked:
         if missing:
             raise ValueError(f"--compile: {missing}")
-        if not cpu_single:
-            raise ValueError("--compile: the compiled step runs on CPU in one process (no --device cuda, TP or PP)")
+        if not cpu_unstaged:
+            raise ValueError(
+                "--compile: the compiled step runs on CPU without pipeline stages (no --device cuda or "
+                "--pipeline-parallel-size; tensor and expert parallel ranks compile their shards)"
+            )
         return True
-    if not cpu_single:
+    if not cpu_unstaged:
         return False
     if missing:
         log.warning("running eager (no compiled step): %s", missing)

@@ -28,8 +28,13 @@ def _check_buckets(engine: Any, prompt_len: int) -> None:
     step = engine.runner.step
     if not isinstance(step, CompiledStep):
         return
-    buckets = _buckets(engine.config.max_num_batched_tokens, prompt_len)
-    warm_up_and_check(step, engine.kv_spec.page_size, tuple(buckets))
+    buckets = tuple(_buckets(engine.config.max_num_batched_tokens, prompt_len))
+    from engine.distributed_runner import DistributedRunner
+
+    if isinstance(engine.runner, DistributedRunner):  # every rank compiles and checks them, in step
+        engine.runner.check_compiled(buckets)
+    else:
+        warm_up_and_check(step, engine.kv_spec.page_size, buckets)
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:

@@ -8,7 +8,8 @@ Order of events:
    for the load `api.model_load` started with the command, beside the imports and redis),
    engine (the engine process builds its KV pool and tiers; here the grammar compiler), compile
    (the engine process starts compiling the step's buckets in the background: they run eager until
-   each is compiled, or found in `$LONGCTX_HOME/compile`, and self-checked), warm-up (a short
+   each is compiled, or found in `$LONGCTX_HOME/compile`, and self-checked; a tensor-parallel
+   engine's ranks compile and check every bucket here, in step, before it serves), warm-up (a short
    generation through the process boundary and a schema compile), routes (the async Redis client
    and the route modules' startup hooks).
 4. SIGTERM/SIGINT: no new work admitted (`ServerState.begin_drain`), streams get
@@ -187,7 +188,9 @@ class Startup:
         """The compiled step's background compile started in the engine process: every bucket
         runs eager until its graphs (from `$LONGCTX_HOME/compile` when cached, else compiled by a
         low-priority child process) are self-checked against the eager modules and switched in;
-        a bucket that fails stays eager. Nothing here waits for a bucket."""
+        a bucket that fails stays eager. Nothing here waits for a bucket, except on a
+        tensor-parallel engine, whose ranks compile and check them together before it serves
+        (`engine/distributed/compiled_ranks.py`)."""
         assert self.model is not None
         report: CompileReport | None = self.model.client.wait_phase("compiled")
         return report

@@ -7,7 +7,9 @@ step's plan, a list of `Chunk`s, exactly as rank 0 runs it. Logits are gathered 
 workers; with pipeline stages the last stage sends them to rank 0 (`engine/distributed/pipeline.py`)
 and the plan carries the step's micro-batches.
 With the host or Redis KV tiers, each rank keeps its own slices of the pages; the connector's
-operations travel with the plan (`engine/distributed/kv_shards.py`).
+operations travel with the plan (`engine/distributed/kv_shards.py`). With the compiled step
+(tensor parallel), every rank compiles and self-checks the buckets when rank 0 says so
+(`engine/distributed/compiled_ranks.py`).
 """
 
 from __future__ import annotations
@@ -18,14 +20,18 @@ import logging
 import torch
 
 from engine.attention.registry import make_backend
+from engine.compiled_runner import attach
+from engine.distributed.compiled_ranks import check_in_step
 from engine.distributed.kv_shards import ShardOps, ShardStore
 from engine.distributed.launch import Watchdog
 from engine.distributed.parallel import ParallelContext
 from engine.distributed.pipeline import micro_batches
 from engine.engine_config import EngineConfig
 from engine.kv_tiers import build_tiers, kv_namespace
+from engine.model.compiled import CompiledStep
 from engine.model.model import CausalLM
 from engine.model_runner import Chunk, ModelRunner, build_kernels
+from engine.verify.self_check import CompileReport
 from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
 
@@ -67,6 +73,15 @@ class DistributedRunner(ModelRunner):
                 self.watchdog.explain(e)
             raise
 
+    def check_compiled(self, buckets: tuple[int, ...]) -> CompileReport | None:
+        """Compile and self-check the compiled step's `buckets` on every rank, in step
+        (`engine/distributed/compiled_ranks.py`); None when this engine runs eager."""
+        if not isinstance(self.step, CompiledStep):
+            return None
+        page = self.kv_cache.spec.page_size
+        self.parallel.broadcast_object(("compile", page, buckets))
+        return check_in_step(self.step, page, buckets, self.parallel)
+
     def shutdown(self) -> None:
         self.ops.flush()  # the last step's pages still go to the other ranks' tiers
         self.parallel.broadcast_object(("stop",))
@@ -106,6 +121,8 @@ def _serve(model: CausalLM, parallel: ParallelContext, fingerprint: str) -> int:
     build_kernels(device)
     backend = make_backend(backend_name, device, model.local_heads, model.local_kv_heads, mc.head_dim)
     runner = ModelRunner(model, KVCache(spec, num_pages, device), backend)
+    if config is not None and config.compile:  # rank 0's runner has it too: both attach alike
+        attach(runner)
     log.info(
         "rank %d: KV shard of %d pages, %d layers, %.1f MB",
         parallel.global_rank,
@@ -124,6 +141,11 @@ def _serve(model: CausalLM, parallel: ParallelContext, fingerprint: str) -> int:
             assert isinstance(msg, tuple)
             if msg[0] == "stop":
                 return steps
+            if msg[0] == "compile":
+                if not isinstance(runner.step, CompiledStep):
+                    raise RuntimeError(f"rank {parallel.global_rank}: asked to compile, but its step runs eager")
+                check_in_step(runner.step, msg[1], msg[2], parallel)
+                continue
             if msg[0] == "ops":
                 assert tiers is not None, "KV operations without tiers"
                 tiers.apply(msg[1])

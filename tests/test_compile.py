@@ -353,9 +353,11 @@ def test_compile_flags() -> None:
     assert engine_config(p.parse_args(["--no-compile"])).compile is False
     assert engine_config(p.parse_args(["--device", "cpu"])).compile is True  # a compiler is here (see skipif)
     assert engine_config(p.parse_args(["--device", "cpu", "--compile"])).compile is True
-    assert engine_config(p.parse_args(["--device", "cpu", "--tensor-parallel-size", "2"])).compile is False
+    # tensor-parallel ranks compile their shards (tests/test_serve_sharded.py); pipeline stages run eager
+    assert engine_config(p.parse_args(["--device", "cpu", "--tensor-parallel-size", "2"])).compile is True
+    assert engine_config(p.parse_args(["--device", "cpu", "--pipeline-parallel-size", "2"])).compile is False
     with pytest.raises(ValueError, match="--compile"):
-        engine_config(p.parse_args(["--device", "cpu", "--compile", "--tensor-parallel-size", "2"]))
+        engine_config(p.parse_args(["--device", "cpu", "--compile", "--pipeline-parallel-size", "2"]))
     assert torch._dynamo.config.fail_on_recompile_limit_hit  # past the limit: an error, never eager
 
 

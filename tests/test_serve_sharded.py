@@ -62,14 +62,24 @@ def redis_url() -> Iterator[str]:
 
 
 def test_tensor_parallel_conversation_equals_one_process(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
+    """TP=2 with the compiled step (the default on CPU): both ranks compile and self-check every
+    bucket before the server is ready, `/ready` lists them all compiled, and the conversation
+    equals an eager single process's."""
+    from engine.model.compiled import BUCKETS
+
     keys = keys_args(tmp_path)
     with running_server(tiny_model, *ARGS, *keys, log=tmp_path / "one.log", redis_url=redis_url) as one:
         expected = _conversation(one)
     log = tmp_path / "tp2.log"
-    with running_server(tiny_model, *ARGS, *TP2, *keys, log=log, redis_url=redis_url) as tp:
+    with running_server(tiny_model, *ARGS, *TP2, "--compile", *keys, log=log, redis_url=redis_url) as tp:
+        status, ready = http_get(tp.url + "/ready")
+        assert status == 200, ready
+        assert ready["compiled_buckets"] == list(BUCKETS) and not ready["eager_buckets"], ready
+        assert not ready.get("compiling_buckets"), ready  # checked before it was ready
         got = _conversation(tp)
         text = log.read_text()
         assert "spawned rank 1" in text and "rank 1 of 2 ready" in text, text[-3000:]
+        assert text.count(f"self-checked {len(BUCKETS)} compiled buckets") == 2, text[-3000:]  # each rank
     for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(got, expected, strict=True):
         assert tokens == ref_tokens and len(tokens) == 12
         assert logprobs == pytest.approx(ref_logprobs, rel=1e-4, abs=1e-4)

@@ -241,5 +241,16 @@ class ParallelContext:
             self.comm.broadcast += len(pickle.dumps(obj))
         return box[0]
 
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's `obj`, by global rank, on every rank of every stage (pickled)."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[object] = [None] * (self.world_size * self.pp_size)
+        dist.all_gather_object(out, obj, group=self.world if self.world is not None else self.group)
+        self.comm.calls += 1
+        return out
+
 
 SINGLE = ParallelContext()

@@ -13,8 +13,11 @@ second start loads them without tracing.
 The MoE experts stay eager (data-dependent routing: per-expert token counts vary per step); an
 MoE layer compiles o_proj -> residual -> norm and runs its sparse block eager. Under tensor
 parallelism the post-attention region splits in two (`o_projection`, `mlp_block`) and the
-all-reduces after the row-parallel linears run eager between the graphs; such a step calls its
-regions through dynamo (no direct calls, no graph store).
+all-reduces after the row-parallel linears run eager between the graphs; each layer's regions
+are called directly once bound, as in one process, but the step goes region by region (the
+all-reduces between). A rank's graphs go to the graph store too, and a later start binds each
+layer from it as its warm-up step reaches it (`stored` answers False for a rank: its regions
+are not the pre/post pair it looks up).
 """
 
 from __future__ import annotations
@@ -77,7 +80,9 @@ class CompiledStep:
         self.compiled_buckets: set[int] = set()
         # (bucket, layer, 0 = pre / 1 = post) -> the layer's graph called without dynamo.
         self.direct: dict[tuple[int, int, int], DirectCall | None] = {}
-        self.use_direct = self.tp is None
+        # Layers call their bound graphs directly (`engine/model/direct.py`) once dynamo has run them;
+        # a whole step through `_direct_layers` only in one process (its all-reduces stay in `_region`'s loop).
+        self.use_direct = True
         # bucket -> every layer's (pre, post) direct calls, once all are bound.
         self.bound: dict[int, list[tuple[DirectCall, DirectCall]]] = {}
         cfg = model.config
@@ -166,7 +171,7 @@ class CompiledStep:
             calls = [
                 (self.direct.get((bucket, i, 0)), self.direct.get((bucket, i, 1))) for i in range(len(self.layers))
             ]
-            if self.use_direct and all(pre is not None and post is not None for pre, post in calls):
+            if self.use_direct and self.tp is None and all(pre is not None and post is not None for pre, post in calls):
                 self.bound[bucket] = cast("list[tuple[DirectCall, DirectCall]]", calls)
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
@@ -213,7 +218,11 @@ class CompiledStep:
         activations (x and residual, or o and residual; and cos, sin) change per step; the graph
         is called directly once a call through dynamo has bound it (`engine/model/direct.py`)."""
         key = (bucket, layer, which)
-        dynamic = (0, 1, len(args) - 4, len(args) - 3) if which == 0 else (0, 1)
+        if which == 0:
+            dynamic: tuple[int, ...] = (0, 1, len(args) - 4, len(args) - 3)  # x, residual, cos, sin
+        else:  # o and residual (o alone into the tensor-parallel o_projection)
+            dynamic = (0,) if self.tp is not None and which == 1 else (0, 1)
+        single = self.tp is not None and which == 1
         call = self.direct.get(key)
         region = self.regions[which]
         if call is not None and all(args[i].is_contiguous() for i in dynamic):
@@ -222,6 +231,8 @@ class CompiledStep:
             out = region(*args)
         else:
             out, self.direct[key] = region.call_and_bind(args, dynamic)
+        if single and isinstance(out, list | tuple):  # a graph's outputs come as a list; o_projection has one
+            out = out[0]
         if self.observer is not None:
             self.observer(bucket, layer, which, args, out)
         return out
@@ -253,10 +264,13 @@ class CompiledStep:
             with torch.inference_mode():
                 self(torch.zeros(b, dtype=torch.int64, device=device), meta, caches, backend)
         seconds = time.perf_counter() - t0
-        traced = len({(b, w) for (b, _, w), call in self.direct.items() if call is not None and not call.stored})
+        calls = [(b, w, call.stored) for (b, _, w), call in self.direct.items() if call is not None]
+        traced = len({(b, w) for b, w, from_store in calls if not from_store})
+        loaded = len({(b, w) for b, w, from_store in calls if from_store and b not in stored})
         log.info(
-            "compiled %d step buckets in %.1fs: %d graphs traced, %d buckets' graphs found in %s",
-            len(buckets), seconds, traced, len(stored), current_store() or "no store",
+            "compiled %d step buckets in %.1fs: %d graphs traced, %d bound from %s at the warm-up step, "
+            "%d buckets' graphs found there whole",
+            len(buckets), seconds, traced, loaded, current_store() or "no store", len(stored),
         )  # fmt: skip
         return seconds
 
@@ -265,7 +279,7 @@ class CompiledStep:
         """Whether the graph store holds every graph an unpadded step of `bucket` tokens calls,
         judged on the arguments such a step passes its regions (built, not run)."""
         store = current_store()
-        if store is None or not self.use_direct:
+        if store is None or not self.use_direct or self.tp is not None:  # a rank's regions are not pre/post
             return False
         m = self.model
         device = m.model.norm.weight.device

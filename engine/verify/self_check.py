@@ -63,7 +63,7 @@ class CompileReport:
 
     @property
     def compiled_buckets(self) -> list[int]:
-        return sorted(c.bucket for c in self.checks if c.ok)
+        return sorted(c.bucket for c in self.checks if c.ok and c.bucket not in self.eager)
 
     @property
     def done(self) -> bool:
