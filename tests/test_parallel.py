@@ -115,26 +115,29 @@ def test_logits_and_greedy_tokens_match_single_process(case: tuple[TinyModel, An
         assert results[1]["steps"] > 0  # rank 1 replayed rank 0's plans
 
 
+@pytest.mark.parametrize("layout", ["tp", "pp"])
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_quantized_tensor_parallel_matches_single_process_quantized(tmp_path: Path, quant: str) -> None:
+def test_quantized_sharded_matches_single_process_quantized(tmp_path: Path, quant: str, layout: str) -> None:
     """Column-parallel linears quantize row by row as the whole model does; row-parallel int8
     scales come from the whole rows (the ranks exchange their row maxima); int4 groups never
-    straddle the split. So the sharded quantized model computes what the single one does."""
+    straddle the split. So the sharded quantized model computes what the single one does; two
+    pipeline stages (each quantizing its own layers' whole tensors) too."""
     from engine.loading.weights import SafetensorsSource, load_model
     from engine.model.quant import QuantConfig
 
     torch.set_num_threads(1)
     t = build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path / "model", intermediate_size=128, tie_word_embeddings=True)
     (tmp_path / "out").mkdir()
-    results = launch_ranks(t.path, tmp_path / "out", (f"tp-{quant}",))[f"tp-{quant}"]
+    results = launch_ranks(t.path, tmp_path / "out", (f"{layout}-{quant}",))[f"{layout}-{quant}"]
     model, _ = load_model(
         t.config, SafetensorsSource(t.path), torch.float32, progress=False, quantization=QuantConfig(quant)
     )
     runner = ranks.sharded_runner(model)
     mixed = run_mixed_step(runner, BlockPool(runner.kv_cache.num_pages), ranks.prompts(t.config.vocab_size), 20)
-    for r, res in enumerate(results):
+    with_logits = results if layout == "tp" else results[:1]  # pipeline logits reach rank 0 only
+    for r, res in enumerate(with_logits):
         for ours, ref in zip(res["mixed"], mixed, strict=True):
-            assert rel_error(ours, ref) < 1e-4, f"rank {r}"
+            assert rel_error(ours, ref) < 1e-4, f"{layout} rank {r}: {rel_error(ours, ref):.2e}"
 
 
 def test_compiled_step_on_tensor_parallel_matches_single_process(tmp_path: Path) -> None:

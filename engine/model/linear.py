@@ -164,14 +164,22 @@ def convert_tied_head(model: nn.Module, quant: QuantConfig = NONE, blocks: Int4B
     """Give a tied model (`model.tied_head`) its LM head as a module of its own (`make_head`),
     from the embedding table. Quantized, the embedding is then read back from the head's
     quantized rows, so the float table is dropped (single process only); unquantized, the head
-    shares the table's storage."""
+    shares the table's storage. A first pipeline stage without the head quantizes its table the
+    same way, so its embeddings are the rows one process reads (the last stage's head is built
+    from the same tensor)."""
     embed = model.model.embed_tokens  # type: ignore[union-attr]
-    if model.lm_head is not None or not model.parallel.last_stage:  # type: ignore[union-attr]
-        return False  # an LM head of its own, or (pipeline parallel) none on this stage
+    parallel = model.parallel  # type: ignore[union-attr]
+    if model.lm_head is not None or not model.config.tie_word_embeddings:  # type: ignore[union-attr]
+        return False  # an LM head of its own
+    if not parallel.last_stage and not (parallel.first_stage and quant.enabled):
+        return False  # (pipeline parallel) neither the head nor a table read back from it on this stage
     head = make_head(embed.weight.detach(), quant, blocks=blocks)
     if head is None:
         return False
-    model.tied_head = head
+    if parallel.last_stage:
+        model.tied_head = head
+    elif not isinstance(head, QuantLinear):
+        return False
     if isinstance(head, QuantLinear):
         table = QuantEmbedding(head, embed.weight.detach(), blocks)
         if type(embed) is nn.Embedding:
