@@ -1,7 +1,8 @@
-"""`longctx serve --tensor-parallel-size 2` (and `--pipeline-parallel-size 2`) on the tiny Llama
-(demo tokenizer), through the `openai` client: the engine process is rank 0 and spawns rank 1; a
-conversation answers what a single-process server answers (greedy, float32); SIGKILL of rank 1
-turns `/ready` 503 with an error naming it, then the server exits 1."""
+"""`longctx serve --tensor-parallel-size 2` (compiled), `--pipeline-parallel-size 2` and both with
+int8 weights on the tiny Llama (demo tokenizer), through the `openai` client: the engine process
+is rank 0 and spawns the others; a conversation answers what a single-process server answers
+(greedy, float32); SIGKILL of rank 1 turns `/ready` 503 with an error naming it, then the
+server exits 1."""
 
 from __future__ import annotations
 
@@ -140,6 +141,27 @@ def test_pipeline_conversation_equals_one_process_then_a_dead_stage_stops_it(
     assert stopped, server.log_tail()
     message = str(stopped[-1]["error"])
     assert "rank 1 failed" in message and "SIGKILL" in message, stopped
+
+
+def test_pipeline_by_tensor_parallel_int8_conversation_equals_one_process(
+    tiny_model: Path, redis_url: str, tmp_path: Path
+) -> None:
+    """PP=2 x TP=2 (four ranks: rank 0 spawns three) with int8 weights: the conversation's tokens
+    and logprobs equal one int8 process's, and the second turn's prompt comes from the cache."""
+    keys = keys_args(tmp_path)
+    int8 = ("--quantization", "int8")
+    with running_server(tiny_model, *ARGS, *int8, *keys, log=tmp_path / "one.log", redis_url=redis_url) as one:
+        expected = _conversation(one)
+    log = tmp_path / "pp2tp2.log"
+    four = ("--pipeline-parallel-size", "2", "--tensor-parallel-size", "2", "--threads", "1")
+    with running_server(tiny_model, *ARGS, *four, *int8, *keys, log=log, redis_url=redis_url) as sharded:
+        got = _conversation(sharded)
+        text = log.read_text()
+    assert all(f"spawned rank {r}" in text for r in (1, 2, 3)), text[-3000:]
+    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(got, expected, strict=True):
+        assert tokens == ref_tokens and len(tokens) == 12
+        assert logprobs == pytest.approx(ref_logprobs, rel=1e-4, abs=1e-4)
+    assert got[1][2] > 0
 
 
 def _stopped_bodies(server: Server) -> list[dict[str, Any]]:
