@@ -159,17 +159,14 @@ def want_compile(args: argparse.Namespace) -> bool:
         return False
     missing = compile_available()
     world_size(args)  # the parallel flags' own checks first
-    cpu_unstaged = args.device == "cpu" and args.pipeline_parallel_size == 1
+    cpu = args.device == "cpu"  # (sharded ranks compile their shards)
     if asked:
         if missing:
             raise ValueError(f"--compile: {missing}")
-        if not cpu_unstaged:
-            raise ValueError(
-                "--compile: the compiled step runs on CPU without pipeline stages (no --device cuda or "
-                "--pipeline-parallel-size; tensor and expert parallel ranks compile their shards)"
-            )
+        if not cpu:
+            raise ValueError("--compile: the compiled step runs on CPU (no --device cuda)")
         return True
-    if not cpu_unstaged:
+    if not cpu:
         return False
     if missing:
         log.warning("running eager (no compiled step): %s", missing)

@@ -1,5 +1,6 @@
 """Step time and bytes communicated per step: TP=1, TP=2, TP=2 + expert parallel, PP=2 (with and
-without micro-batches) and PP=2 x TP=2, on CPU; TP=1 and TP=2 also through the compiled step.
+without micro-batches) and PP=2 x TP=2, on CPU; TP=1, TP=2, PP=2 (unsplit) and PP=2 x TP=2 also
+through the compiled step.
 
 A random Qwen3-MoE checkpoint (float32) is written once; each configuration then runs in its
 own processes (rank 0 spawns the others, as `longctx generate --tensor-parallel-size` does),
@@ -8,10 +9,10 @@ with the machine's cores split evenly between ranks. Measured on rank 0: one pre
 put into collectives per step (all-reduce, all-gather, all-to-all payloads, point-to-point
 sends and the plan broadcast). Under pipeline parallelism also rank 0's bubble: the share of
 each phase's time its stage spent outside its layers (waiting for the other stage). Compiled
-rows: the decode steps (B tokens: a compiled bucket; the prefill is past the largest and runs
-eager) through the compiled step, its buckets compiled and self-checked first on every rank as
-`serve` does (graphs under a fresh `LONGCTX_HOME` per run: a cold compile, timed); every row's
-greedy decode tokens are compared with TP=1's.
+rows: the decode steps (B tokens, or a micro-batch's share: compiled buckets; the prefill is past
+the largest and runs eager) through the compiled step, the buckets up to B's compiled and
+self-checked first on every rank as `serve` does (graphs under a fresh `LONGCTX_HOME` per run:
+a cold compile, timed); every row's greedy decode tokens are compared with TP=1's.
 Prints a table and writes JSON to bench/results/parallel.json.
 
     python bench/parallel.py [--quick] [--dense] [--configs tp1-1thread,tp2,tp2-comp]
@@ -48,7 +49,9 @@ CONFIGS: dict[str, tuple[int, bool, int, int, int, bool]] = {
     "tp2+ep": (2, True, 0, 1, 0, False),
     "pp2": (1, False, 0, 2, 0, False),
     "pp2-unsplit": (1, False, 0, 2, 1, False),
+    "pp2-uns-comp": (1, False, 0, 2, 1, True),
     "pp2xtp2": (2, False, 0, 2, 0, False),
+    "pp2xtp2-comp": (2, False, 0, 2, 0, True),
 }
 
 
@@ -112,13 +115,14 @@ def run_rank(
         runner = DistributedRunner(runner, ctx, watchdog, EngineConfig(compile=True) if compile_step else None)
     if compile_step:
         from engine.compiled_runner import attach
-        from engine.model.compiled import CompiledStep, bucket_for
+        from engine.model.compiled import BUCKETS, CompiledStep, bucket_for
 
         attach(runner)  # (the other ranks attach theirs from the config rank 0 announces)
         from engine.verify.self_check import warm_up_and_check
 
         t0 = time.perf_counter()
-        buckets = tuple(sorted({1, bucket_for(batch) or 1}))
+        # every bucket up to the decode step's (a micro-batch of a split step takes a smaller one)
+        buckets = tuple(b for b in BUCKETS if b <= (bucket_for(batch) or 1))
         if isinstance(runner, DistributedRunner):
             report = runner.check_compiled(buckets)
         else:

@@ -14,11 +14,11 @@ log = logging.getLogger("longctx.compile")
 
 def attach(runner: object) -> CompiledStep | None:
     """Give a `ModelRunner` the compiled step, its graphs cached under `$LONGCTX_HOME/compile`
-    (buckets compile at first use, or all at once in `CompiledStep.warm_up`). A tensor-parallel
-    rank's runner (rank 0's `DistributedRunner` included) gets its shard's step, the all-reduces
-    eager between the graphs; pipeline stages and non-CPU devices stay eager, with a warning."""
-    if not isinstance(runner, ModelRunner) or runner.model.parallel.pipelined or runner.device.type != "cpu":
-        log.warning("the compiled step runs on CPU without pipeline stages; running eager")
+    (buckets compile at first use, or all at once in `CompiledStep.warm_up`). A sharded rank's
+    runner (rank 0's `DistributedRunner` included) gets its shard's step: its stage's layers, the
+    all-reduces eager between the graphs. Non-CPU devices stay eager, with a warning."""
+    if not isinstance(runner, ModelRunner) or runner.device.type != "cpu":
+        log.warning("the compiled step runs on CPU; running eager")
         return None
     configure(longctx_home())
     step = CompiledStep(runner.model)

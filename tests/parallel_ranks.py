@@ -8,7 +8,8 @@ Kept apart from the test module so that a rank imports neither pytest nor transf
         Each rank saves its results per mode to OUT/rank{r}-{mode}.pt. A mode may name a
         weight quantization after a dash (`tp-int8`, `tp-int4`: int4 with group 32). Mode
         `compiled`: tensor parallel through the compiled step (graphs cached under OUT), its
-        self-check of bucket 8 on every rank, then the mixed step (no engine run).
+        self-check of bucket 8 on every rank, then the mixed step (no engine run);
+        `ppcompiled`: the same on two pipeline stages.
     serve MODEL [--stages 2]: rank 0 spawns rank 1 itself (its tensor-parallel peer, or the
         second pipeline stage) and generates until killed.
 """
@@ -43,7 +44,7 @@ PAGE_SIZE = 4
 GREEDY_TOKENS = 24
 IN_PLAY_PAGES = 30
 # Pipeline-parallel modes: (tensor-parallel size, stages); every other mode is 2 tensor-parallel ranks.
-LAYOUTS = {"pp": (1, 2), "pptp": (2, 2), "ppep": (2, 2)}
+LAYOUTS = {"pp": (1, 2), "pptp": (2, 2), "ppep": (2, 2), "ppcompiled": (1, 2)}
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -106,7 +107,7 @@ def run_logits(model_dir: Path, out: Path, modes: list[str]) -> None:
     assert len(layouts) == 1, f"modes of one launch share a layout: {modes}"
     tp, pp = layouts.pop()
     base, watchdog = init_parallel(tp, pipeline_size=pp)
-    if "compiled" in modes:
+    if any(m.endswith("compiled") for m in modes):
         from tests.compile_cache import configure_compile
 
         configure_compile(out / f"compile-{base.rank}" / "graphs")  # the graphs per rank, inductor's cache shared
@@ -115,7 +116,7 @@ def run_logits(model_dir: Path, out: Path, modes: list[str]) -> None:
         ctx = dataclasses.replace(base, expert_parallel=kind in ("ep", "ppep"))
         result = (
             run_compiled(ctx, model_dir)
-            if kind == "compiled"
+            if kind in ("compiled", "ppcompiled")
             else run_mode(ctx, model_dir, QuantConfig(quant or "none"))
         )
         torch.save(result, out / f"rank{ctx.global_rank}-{mode}.pt")

@@ -353,11 +353,12 @@ def test_compile_flags() -> None:
     assert engine_config(p.parse_args(["--no-compile"])).compile is False
     assert engine_config(p.parse_args(["--device", "cpu"])).compile is True  # a compiler is here (see skipif)
     assert engine_config(p.parse_args(["--device", "cpu", "--compile"])).compile is True
-    # tensor-parallel ranks compile their shards (tests/test_serve_sharded.py); pipeline stages run eager
+    # sharded ranks compile their shards (tests/test_serve_sharded.py, tests/test_parallel.py)
     assert engine_config(p.parse_args(["--device", "cpu", "--tensor-parallel-size", "2"])).compile is True
-    assert engine_config(p.parse_args(["--device", "cpu", "--pipeline-parallel-size", "2"])).compile is False
+    assert engine_config(p.parse_args(["--device", "cpu", "--pipeline-parallel-size", "2"])).compile is True
+    assert engine_config(p.parse_args(["--device", "cuda"])).compile is False
     with pytest.raises(ValueError, match="--compile"):
-        engine_config(p.parse_args(["--device", "cpu", "--compile", "--pipeline-parallel-size", "2"]))
+        engine_config(p.parse_args(["--device", "cuda", "--compile"]))
     assert torch._dynamo.config.fail_on_recompile_limit_hit  # past the limit: an error, never eager
 
 

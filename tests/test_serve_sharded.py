@@ -18,6 +18,7 @@ import openai
 import pytest
 import redis
 
+from engine.model.compiled import BUCKETS
 from tests.redis_server import delete_prefix, shared_redis, unique_prefix
 from tests.server import TEST_KEY, Server, http_get, keys_args, running_server, start_server
 
@@ -66,8 +67,6 @@ def test_tensor_parallel_conversation_equals_one_process(tiny_model: Path, redis
     """TP=2 with the compiled step (the default on CPU): both ranks compile and self-check every
     bucket before the server is ready, `/ready` lists them all compiled, and the conversation
     equals an eager single process's."""
-    from engine.model.compiled import BUCKETS
-
     keys = keys_args(tmp_path)
     with running_server(tiny_model, *ARGS, *keys, log=tmp_path / "one.log", redis_url=redis_url) as one:
         expected = _conversation(one)
@@ -115,14 +114,16 @@ def test_rank_death_stops_the_server_naming_it(tiny_model: Path, redis_url: str,
 def test_pipeline_conversation_equals_one_process_then_a_dead_stage_stops_it(
     tiny_model: Path, redis_url: str, tmp_path: Path
 ) -> None:
-    """PP=2 (one layer per stage): the conversation's tokens and logprobs equal one process's;
-    then SIGKILL of stage 1 makes `/ready` 503 naming it, and the server exits 1."""
+    """PP=2 (one layer per stage, compiled): the conversation's tokens and logprobs equal one
+    eager process's; then SIGKILL of stage 1 makes `/ready` 503 naming it, and the server exits 1."""
     keys = keys_args(tmp_path)
     with running_server(tiny_model, *ARGS, *keys, log=tmp_path / "one.log", redis_url=redis_url) as one:
         expected = _conversation(one)
     log = tmp_path / "pp2.log"
-    server = start_server(tiny_model, "--redis-url", redis_url, *ARGS, *PP2, *keys, log=log)
+    server = start_server(tiny_model, "--redis-url", redis_url, *ARGS, *PP2, "--compile", *keys, log=log)
     try:
+        status, ready = http_get(server.url + "/ready")
+        assert status == 200 and ready["compiled_buckets"] == list(BUCKETS), ready  # each stage compiled its layers
         got = _conversation(server)
         text = log.read_text()
         assert re.search(r"rank 1 \(stage 1 of 2\): .* loaded", text), text[-3000:]
@@ -146,15 +147,18 @@ def test_pipeline_conversation_equals_one_process_then_a_dead_stage_stops_it(
 def test_pipeline_by_tensor_parallel_int8_conversation_equals_one_process(
     tiny_model: Path, redis_url: str, tmp_path: Path
 ) -> None:
-    """PP=2 x TP=2 (four ranks: rank 0 spawns three) with int8 weights: the conversation's tokens
-    and logprobs equal one int8 process's, and the second turn's prompt comes from the cache."""
+    """PP=2 x TP=2 (four ranks: rank 0 spawns three) with int8 weights, compiled: the
+    conversation's tokens and logprobs equal one eager int8 process's, and the second turn's
+    prompt comes from the cache."""
     keys = keys_args(tmp_path)
     int8 = ("--quantization", "int8")
     with running_server(tiny_model, *ARGS, *int8, *keys, log=tmp_path / "one.log", redis_url=redis_url) as one:
         expected = _conversation(one)
     log = tmp_path / "pp2tp2.log"
     four = ("--pipeline-parallel-size", "2", "--tensor-parallel-size", "2", "--threads", "1")
-    with running_server(tiny_model, *ARGS, *four, *int8, *keys, log=log, redis_url=redis_url) as sharded:
+    with running_server(tiny_model, *ARGS, *four, *int8, "--compile", *keys, log=log, redis_url=redis_url) as sharded:
+        status, ready = http_get(sharded.url + "/ready")
+        assert status == 200 and ready["compiled_buckets"] == list(BUCKETS), ready
         got = _conversation(sharded)
         text = log.read_text()
     assert all(f"spawned rank {r}" in text for r in (1, 2, 3)), text[-3000:]

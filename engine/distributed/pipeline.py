@@ -30,6 +30,7 @@ class StageRunner(Protocol):
     `run_stage`): its model, device, attention backend and KV cache, the step's inputs and counters."""
 
     model: Any
+    step: Any
     device: torch.device
     backend: Any
     kv_cache: Any
@@ -89,7 +90,8 @@ def run_stage(runner: StageRunner, chunks: Sequence[Any], all_logits: bool, boun
             x = p.recv((meta.num_tokens, config.hidden_size), dtype, runner.device, p.stage_rank(p.pp_rank - 1))
         s0 = time.perf_counter()
         runner.backend.plan(meta)
-        out = runner.model.stage_forward(x, meta, runner.kv_cache.layers, runner.backend, logits_indices)
+        # the stage's step: `CausalLM.stage_forward`, or the compiled step over this stage's layers
+        out = runner.step(x, meta, runner.kv_cache.layers, runner.backend, logits_indices)
         runner.busy_s += time.perf_counter() - s0
         if not p.last_stage:
             sends.append((p.send(out, p.stage_rank(p.pp_rank + 1)), out))

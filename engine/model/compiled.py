@@ -15,9 +15,11 @@ MoE layer compiles o_proj -> residual -> norm and runs its sparse block eager. U
 parallelism the post-attention region splits in two (`o_projection`, `mlp_block`) and the
 all-reduces after the row-parallel linears run eager between the graphs; each layer's regions
 are called directly once bound, as in one process, but the step goes region by region (the
-all-reduces between). A rank's graphs go to the graph store too, and a later start binds each
-layer from it as its warm-up step reaches it (`stored` answers False for a rank: its regions
-are not the pre/post pair it looks up).
+all-reduces between). A pipeline stage compiles its own layers: the first embeds, the others
+take the previous stage's hidden states, and every stage but the last returns the residual
+stream (`CausalLM.stage_forward`'s contract). A rank's graphs go to the graph store too, and a
+later start binds each layer from it as its warm-up step reaches it (`stored` answers False for
+a rank: it looks up a whole model's pre/post pairs from token ids).
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class CompiledStep:
         # Per layer: (layer index, sliding window) for attention, the eager MoE block or None.
         self.attention: list[tuple[int, int | None]] = []
         self.sparse: list[nn.Module | None] = []
-        for layer in cast("list[DecoderLayer]", list(model.model.layers)):
+        # This pipeline stage's layers (all of them in one process), in order.
+        for layer in cast("list[DecoderLayer]", [model.model.layers[i] for i in model.stage_layers]):
             attn = layer.self_attn
             self.attention.append((attn.layer, attn.window))
             pre_args = (
@@ -131,13 +134,15 @@ class CompiledStep:
         if bucket is None or bucket in self.eager_buckets or bucket in self.pending:
             return self.model(input_ids, meta, kv_caches, backend, logits_indices, images)
         m = self.model
+        first, last = m.parallel.first_stage, m.parallel.last_stage
         pad = bucket - T
         positions = meta.positions
-        if pad:
-            input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
+        if pad:  # token ids [T], or (a later pipeline stage) the previous stage's hidden states [T, hidden]
+            input_ids = F.pad(input_ids, (0, pad) if first else (0, 0, 0, pad))
+            positions = F.pad(positions, (0, pad))
         # Image features replace their placeholders' embeddings; M-RoPE positions give cos/sin;
         # DeepStack features join layers' outputs between regions (all eager, around the graphs).
-        x = merge_embeddings(m.model.embed_tokens(input_ids), images)  # [bucket, hidden]
+        x = merge_embeddings(m.model.embed_tokens(input_ids), images) if first else input_ids  # [bucket, hidden]
         cos, sin = rotary(m.rope, positions, images, x.dtype)
         residual = torch.zeros_like(x)
         bound = self.bound.get(bucket)
@@ -149,7 +154,7 @@ class CompiledStep:
             x, residual = self._direct_layers(bound, x, residual, cos, sin, kv_caches, backend)
         else:
             layers = zip(kv_caches, self.layers, self.attention, self.sparse, strict=True)
-            for i, (cache, (pre_args, post_args), (index, window), sparse) in enumerate(layers):
+            for i, (cache, (pre_args, post_args), (index, window), sparse) in enumerate(layers):  # i: in this stage
                 pre = (x, residual, *pre_args, cos, sin, self.heads, self.eps)
                 q, kv, residual = self._region(bucket, i, 0, pre)
                 if pad:
@@ -167,12 +172,16 @@ class CompiledStep:
                 if sparse is not None:
                     x = sparse(x)
                 if deepstack:
-                    x = add_deepstack(x, images, i)
+                    x = add_deepstack(x, images, index)
             calls = [
                 (self.direct.get((bucket, i, 0)), self.direct.get((bucket, i, 1))) for i in range(len(self.layers))
             ]
             if self.use_direct and self.tp is None and all(pre is not None and post is not None for pre, post in calls):
                 self.bound[bucket] = cast("list[tuple[DirectCall, DirectCall]]", calls)
+        if not last:  # the residual stream for the next stage, summed as its first norm would
+            h = x + residual
+            self.compiled_buckets.add(bucket)
+            return h[:T] if pad else h
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         elif pad:
@@ -257,12 +266,12 @@ class CompiledStep:
             pages = -(-b // page_size)
             caches = [
                 torch.zeros(pages, 2, page_size, m.local_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-                for _ in range(cfg.num_layers)
+                for _ in self.layers
             ]
             meta = AttentionMetadata.build([list(range(pages))], [b], [b], page_size, device)
             backend.plan(meta)
             with torch.inference_mode():
-                self(torch.zeros(b, dtype=torch.int64, device=device), meta, caches, backend)
+                self(self.scratch_input(b), meta, caches, backend)
         seconds = time.perf_counter() - t0
         calls = [(b, w, call.stored) for (b, _, w), call in self.direct.items() if call is not None]
         traced = len({(b, w) for b, w, from_store in calls if not from_store})
@@ -274,12 +283,19 @@ class CompiledStep:
         )  # fmt: skip
         return seconds
 
+    def scratch_input(self, bucket: int) -> torch.Tensor:
+        """A step's input of `bucket` zeros: token ids, or (a later pipeline stage) hidden states."""
+        norm = self.model.model.norm.weight
+        if self.model.parallel.first_stage:
+            return torch.zeros(bucket, dtype=torch.int64, device=norm.device)
+        return torch.zeros(bucket, self.model.config.hidden_size, dtype=norm.dtype, device=norm.device)
+
     @torch.inference_mode()
     def stored(self, bucket: int) -> bool:
         """Whether the graph store holds every graph an unpadded step of `bucket` tokens calls,
         judged on the arguments such a step passes its regions (built, not run)."""
         store = current_store()
-        if store is None or not self.use_direct or self.tp is not None:  # a rank's regions are not pre/post
+        if store is None or not self.use_direct or self.model.parallel.distributed:  # a rank's: see the module doc
             return False
         m = self.model
         device = m.model.norm.weight.device

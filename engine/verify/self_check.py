@@ -105,12 +105,17 @@ def _step_inputs(step: CompiledStep, bucket: int, page_size: int) -> tuple[Any, 
     pages = -(-bucket // page_size)
     caches = [
         torch.zeros(pages, 2, page_size, m.local_kv_heads, cfg.head_dim, dtype=norm.dtype, device=norm.device)
-        for _ in range(cfg.num_layers)
+        for _ in step.layers  # this pipeline stage's layers
     ]
     meta = AttentionMetadata.build([list(range(pages))], [bucket], [bucket], page_size, norm.device)
     backend = TorchPagedBackend(m.local_heads, m.local_kv_heads, cfg.head_dim)
     backend.plan(meta)
-    return _ids(bucket, cfg.vocab_size).to(norm.device), meta, caches, backend
+    if m.parallel.first_stage:
+        inputs = _ids(bucket, cfg.vocab_size)
+    else:  # a later pipeline stage starts from hidden states: fixed ones of an embedding's scale
+        g = torch.Generator().manual_seed(bucket)
+        inputs = 0.05 * torch.randn(bucket, cfg.hidden_size, generator=g).to(norm.dtype)
+    return inputs.to(norm.device), meta, caches, backend
 
 
 @torch.inference_mode()
@@ -118,7 +123,7 @@ def check_bucket(step: CompiledStep, bucket: int, page_size: int) -> BucketCheck
     """The compiled step at `bucket` against the eager model on the fixed input."""
     dtype = step.model.model.norm.weight.dtype
     ids, meta, caches, backend = _step_inputs(step, bucket, page_size)
-    eager = step.model(ids, meta, caches, backend)  # [bucket, V] float32
+    eager = step.model(ids, meta, caches, backend)  # [bucket, V] float32 ([bucket, hidden] before the last stage)
     ids, meta, caches, backend = _step_inputs(step, bucket, page_size)
     worst = ("", 0.0)
 
