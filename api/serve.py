@@ -190,7 +190,7 @@ class Startup:
         low-priority child process) are self-checked against the eager modules and switched in;
         a bucket that fails stays eager. Nothing here waits for a bucket, except on a
         tensor-parallel engine, whose ranks compile and check them together before it serves
-        (`engine/distributed/compiled_ranks.py`)."""
+        (`engine/distributed_runner.py`, `check_in_step`)."""
         assert self.model is not None
         report: CompileReport | None = self.model.client.wait_phase("compiled")
         return report

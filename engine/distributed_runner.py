@@ -8,8 +8,7 @@ workers; with pipeline stages the last stage sends them to rank 0 (`engine/distr
 and the plan carries the step's micro-batches.
 With the host or Redis KV tiers, each rank keeps its own slices of the pages; the connector's
 operations travel with the plan (`engine/distributed/kv_shards.py`). With the compiled step
-(tensor parallel), every rank compiles and self-checks the buckets when rank 0 says so
-(`engine/distributed/compiled_ranks.py`).
+every rank compiles and self-checks the buckets when rank 0 says so (`check_in_step`).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import torch
 
 from engine.attention.registry import make_backend
 from engine.compiled_runner import attach
-from engine.distributed.compiled_ranks import check_in_step
 from engine.distributed.kv_shards import ShardOps, ShardStore
 from engine.distributed.launch import Watchdog
 from engine.distributed.parallel import ParallelContext
@@ -31,7 +29,7 @@ from engine.kv_tiers import build_tiers, kv_namespace
 from engine.model.compiled import CompiledStep
 from engine.model.model import CausalLM
 from engine.model_runner import Chunk, ModelRunner, build_kernels
-from engine.verify.self_check import CompileReport
+from engine.verify.self_check import CompileReport, warm_up_and_check
 from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
 
@@ -75,7 +73,7 @@ class DistributedRunner(ModelRunner):
 
     def check_compiled(self, buckets: tuple[int, ...]) -> CompileReport | None:
         """Compile and self-check the compiled step's `buckets` on every rank, in step
-        (`engine/distributed/compiled_ranks.py`); None when this engine runs eager."""
+        (`check_in_step`); None when this engine runs eager."""
         if not isinstance(self.step, CompiledStep):
             return None
         page = self.kv_cache.spec.page_size
@@ -85,6 +83,30 @@ class DistributedRunner(ModelRunner):
     def shutdown(self) -> None:
         self.ops.flush()  # the last step's pages still go to the other ranks' tiers
         self.parallel.broadcast_object(("stop",))
+
+
+def check_in_step(
+    step: CompiledStep, page_size: int, buckets: tuple[int, ...], parallel: ParallelContext
+) -> CompileReport:
+    """Compile and self-check `buckets` on this rank, then agree with the other ranks: a bucket
+    any rank failed runs eager here too. Every rank calls it with the same buckets.
+
+    Each rank runs its own shard's graphs (its stage's layers; under tensor parallelism the
+    all-reduces eager between them). A bucket's self-check runs the eager model and the compiled
+    step, which both communicate under tensor parallelism, so every rank checks the same buckets
+    in the same order when rank 0 says so (`DistributedRunner.check_compiled`). A bucket that
+    fails on any rank runs eager on every rank (the report names the rank), so a bucket the
+    report calls compiled is compiled everywhere. This happens before the engine serves: the
+    single-process server's background compiler (`engine/process/background_compile.py`) is a
+    child process, which cannot take part in the checks' collectives. The graphs go to the same
+    graph store and inductor cache, so a second start only binds and checks them."""
+    report = warm_up_and_check(step, page_size, buckets)
+    for rank, failed in enumerate(parallel.all_gather_object(dict(report.eager))):
+        assert isinstance(failed, dict)
+        for bucket, why in sorted(failed.items()):
+            if bucket not in report.eager:
+                report.fail(step, bucket, f"on rank {rank}: {why}")
+    return report
 
 
 def _own(pages: list[int] | torch.Tensor) -> list[int] | torch.Tensor:

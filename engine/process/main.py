@@ -370,7 +370,7 @@ def main(argv: list[str]) -> int:
             if isinstance(engine.runner.step, CompiledStep):
                 step, page = engine.runner.step, engine.kv_spec.page_size
                 buckets = BUCKETS if build.check_buckets is None else tuple(build.check_buckets)
-                if parallel.distributed:  # every rank in step, before serving (compiled_ranks.py)
+                if parallel.distributed:  # every rank in step, before serving (DistributedRunner.check_compiled)
                     report = runner.check_compiled(buckets)
                 elif build.background:
                     compiler = BackgroundCompile(step, page, buckets, spec_path)
