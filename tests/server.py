@@ -101,9 +101,15 @@ def serve_command(model: str | Path, port: int, prefix: str, *args: str) -> list
 
 
 def start_server(
-    model: str | Path, *args: str, log: Path, env: dict[str, str] | None = None, prefix: str | None = None
+    model: str | Path,
+    *args: str,
+    log: Path,
+    env: dict[str, str] | None = None,
+    prefix: str | None = None,
+    ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> Server:
-    """Start `longctx serve` (from this checkout) and wait until `/ready` answers 200."""
+    """Start `longctx serve` (from this checkout) and wait until `/ready` answers 200 (a
+    sharded server compiles before it is ready: benchmarks starting one cold wait longer)."""
     port = free_port()
     prefix = prefix or unique_prefix()
     with open(log, "ab") as out:
@@ -112,7 +118,7 @@ def start_server(
             env={**os.environ, **(env or {})},
         )  # fmt: skip
     server = Server(f"http://127.0.0.1:{port}", proc, prefix, log)
-    timeout = READY_TIMEOUT_S
+    timeout = ready_timeout_s
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
