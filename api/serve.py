@@ -8,7 +8,7 @@ Order of events:
    for the load `api.model_load` started with the command, beside the imports and redis),
    engine (the engine process builds its KV pool and tiers; here the grammar compiler), compile
    (the engine process starts compiling the step's buckets in the background: they run eager until
-   each is compiled, or found in `$LONGCTX_HOME/compile`, and self-checked; a tensor-parallel
+   each is compiled, or found in `$LONGCTX_HOME/compile`, and self-checked; a sharded
    engine's ranks compile and check every bucket here, in step, before it serves), warm-up (a short
    generation through the process boundary and a schema compile), routes (the async Redis client
    and the route modules' startup hooks).
@@ -189,7 +189,7 @@ class Startup:
         runs eager until its graphs (from `$LONGCTX_HOME/compile` when cached, else compiled by a
         low-priority child process) are self-checked against the eager modules and switched in;
         a bucket that fails stays eager. Nothing here waits for a bucket, except on a
-        tensor-parallel engine, whose ranks compile and check them together before it serves
+        sharded engine, whose ranks compile and check them together before it serves
         (`engine/distributed_runner.py`, `check_in_step`)."""
         assert self.model is not None
         report: CompileReport | None = self.model.client.wait_phase("compiled")

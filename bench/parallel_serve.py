@@ -52,22 +52,13 @@ PROMPTS = [
 
 def tiny_llama(path: Path) -> Path:
     """The random Llama, saved with the demo tokenizer and chat template."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.loading.gguf_cache import GGUFCache
-    from engine.loading.loader import load_tokenizer
     from engine.loading.model_source import resolve_model
+    from tests.tiny_models import llama_with_demo_tokenizer
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-        vocab_size=49152, max_position_embeddings=4096, tie_word_embeddings=True,
+    return llama_with_demo_tokenizer(
+        path, resolve_model("smollm2-135m-instruct").path, hidden_size=512, intermediate_size=1024,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
     )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(path)
-    demo = resolve_model("smollm2-135m-instruct")
-    load_tokenizer(demo, (), GGUFCache(demo.path)).hf.save_pretrained(path)
-    return path
 
 
 async def one_stream(client: Any, model: str, prompt: str, tokens: int) -> dict[str, Any]:

@@ -57,19 +57,9 @@ def demo_float32(demo_gguf: Path) -> LoadedModel:
 def tiny_model(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with the demo tokenizer (its vocabulary and chat template), saved as a
     checkpoint directory: the servers and engine processes the tests start load it in seconds."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny_models import llama_with_demo_tokenizer
 
-    from engine.loading.gguf_cache import GGUFCache
-    from engine.loading.loader import load_tokenizer
-    from engine.loading.model_source import resolve_model
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=49152, max_position_embeddings=512, tie_word_embeddings=True,
+    return llama_with_demo_tokenizer(
+        tmp_path_factory.mktemp("tiny-llama"), demo_gguf, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
     )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(path)
-    load_tokenizer(resolve_model(str(demo_gguf)), (), GGUFCache(demo_gguf)).hf.save_pretrained(path)
-    return path

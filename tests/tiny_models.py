@@ -218,3 +218,19 @@ def tiny_moe_with_demo_tokenizer(tmp: Path, tokenizer: Any, prompt: str, max_tok
             torch.tensor([ids]), do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens
         )
     return str(tokenizer.decode(ref[0, len(ids) :].tolist()))
+
+
+def llama_with_demo_tokenizer(path: Path, demo_gguf: Path, **config: Any) -> Path:
+    """A random Llama (tied embeddings, the demo's vocabulary; `config` gives the sizes) saved
+    into `path` with the demo tokenizer and chat template: a checkpoint `longctx serve` loads
+    as it would a real one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.loading.gguf_cache import GGUFCache
+    from engine.loading.loader import load_tokenizer
+    from engine.loading.model_source import resolve_model
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, tie_word_embeddings=True, **config)).save_pretrained(path)
+    load_tokenizer(resolve_model(str(demo_gguf)), (), GGUFCache(demo_gguf)).hf.save_pretrained(path)
+    return path
