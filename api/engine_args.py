@@ -118,7 +118,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="torch.compile the decode step (steps of <= 64 tokens); default: on when a C++ compiler "
-        "and the Python headers are present (CPU, one process), else eager",
+        "and the Python headers are present (CPU, sharded ranks too), else eager",
+    )
+    p.add_argument(
+        "--compile-buckets",
+        type=_compile_buckets,
+        default=None,
+        metavar="N,N,...",
+        help="the step sizes the compiled step compiles, some of 1,2,4,8,16,32,64 (default: all); a step "
+        "runs padded to the smallest that holds it, past the largest eager. Fewer: a shorter cold start",
     )
     p.add_argument("--expert-parallel", action="store_true", help="MoE: whole experts per rank, tokens dispatched")
     p.add_argument(
@@ -148,6 +156,18 @@ def world_size(args: argparse.Namespace) -> int:
             f"--pipeline-layer-split has {len(split)} stages, --pipeline-parallel-size {args.pipeline_parallel_size}"
         )
     return int(args.tensor_parallel_size * args.pipeline_parallel_size)
+
+
+def _compile_buckets(text: str) -> tuple[int, ...]:
+    from engine.model.compiled import chosen_buckets
+
+    parts = [b.strip() for b in text.split(",")]
+    if not all(b.isdigit() for b in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated step sizes such as 1,8,64, got {text!r}")
+    try:
+        return chosen_buckets(tuple(int(b) for b in parts))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def want_compile(args: argparse.Namespace) -> bool:
@@ -194,5 +214,6 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         kv_lookup_timeout_s=args.kv_lookup_timeout,
         kv_dtype=args.kv_dtype,
         compile=want_compile(args),
+        compile_buckets=args.compile_buckets,
     )
     return EngineConfig(**(fields | overrides))

@@ -28,7 +28,7 @@ def _check_buckets(engine: Any, prompt_len: int) -> None:
     step = engine.runner.step
     if not isinstance(step, CompiledStep):
         return
-    buckets = tuple(_buckets(engine.config.max_num_batched_tokens, prompt_len))
+    buckets = tuple(_buckets(engine.config.max_num_batched_tokens, prompt_len, step.buckets))
     from engine.distributed_runner import DistributedRunner
 
     if isinstance(engine.runner, DistributedRunner):  # every rank compiles and checks them, in step
@@ -117,6 +117,7 @@ def generate(args: argparse.Namespace) -> int:
     if world_size(args) > 1 or args.expert_parallel:
         return _generate_in_process(args)
     from api.model_load import core_spec, engine_wait_policy, placement
+    from engine.model.compiled import chosen_buckets
     from engine.process.client import EngineClient
 
     engine_threads, api_threads = placement(args.threads)
@@ -130,7 +131,8 @@ def generate(args: argparse.Namespace) -> int:
         images = None
         if args.image:
             prompt_ids, images = image_prompt(args, loaded)
-        buckets = _buckets(config.max_num_batched_tokens, len(prompt_ids)) if config.compile else []
+        chosen = chosen_buckets(config.compile_buckets)
+        buckets = _buckets(config.max_num_batched_tokens, len(prompt_ids), chosen) if config.compile else []
         client.build(config.kv_redis_url, config.kv_redis_prefix, config.enable_prefix_caching, buckets)
         client.wait_phase("compiled")
         t0 = time.perf_counter()
@@ -147,12 +149,13 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _buckets(budget: int, prompt_len: int) -> list[int]:
-    """The compiled step's buckets a prompt will use: its prefill chunks' and decoding's."""
+def _buckets(budget: int, prompt_len: int, chosen: tuple[int, ...]) -> list[int]:
+    """The compiled step's buckets (of those `chosen`) a prompt will use: its prefill chunks' and
+    decoding's."""
     from engine.model.compiled import bucket_for
 
     chunks = [budget] * (prompt_len // budget) + ([prompt_len % budget] if prompt_len % budget else [])
-    return sorted(b for b in {bucket_for(n) for n in chunks} | {1} if b is not None)
+    return sorted(b for b in {bucket_for(n, chosen) for n in [*chunks, 1]} if b is not None)
 
 
 def _generate_in_process(args: argparse.Namespace) -> int:

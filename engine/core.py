@@ -94,7 +94,7 @@ class EngineCore:
         if config.compile:
             from engine.compiled_runner import attach
 
-            attach(runner)
+            attach(runner, config.compile_buckets)
         self.runner = runner
         self.kv_cache = runner.kv_cache
         self.kv_spec = runner.kv_cache.spec  # this rank's heads

@@ -144,7 +144,7 @@ def _serve(model: CausalLM, parallel: ParallelContext, fingerprint: str) -> int:
     backend = make_backend(backend_name, device, model.local_heads, model.local_kv_heads, mc.head_dim)
     runner = ModelRunner(model, KVCache(spec, num_pages, device), backend)
     if config is not None and config.compile:  # rank 0's runner has it too: both attach alike
-        attach(runner)
+        attach(runner, config.compile_buckets)
     log.info(
         "rank %d: KV shard of %d pages, %d layers, %.1f MB",
         parallel.global_rank,

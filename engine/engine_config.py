@@ -28,6 +28,8 @@ class EngineConfig:
     max_prefill_tokens_per_request: int | None = None  # a chunk's cap while others wait (None: budget/2)
     max_queued: int = 256  # requests added and not yet running; past it add_request raises EngineOverloaded
     compile: bool = False  # the compiled step (`engine/model/compiled.py`) for steps of <= 64 tokens
+    # Its buckets (a subset of `engine.model.compiled.BUCKETS`, checked by `CompiledStep`); None = all.
+    compile_buckets: tuple[int, ...] | None = None
     encoder_cache_bytes: int = 256 << 20  # encoded images kept for reuse (vision-language models)
 
     def __post_init__(self) -> None:

@@ -157,3 +157,15 @@ def test_structured_run_keeps_special_tokens_for_a_special_marker(tmp_path: Path
             tool_choice="auto", no_parallel_tool_calls=False,
         )  # fmt: skip
         assert StructuredRun.from_args(args, tok, len(tok.hf)).skip_special_tokens is skip
+
+
+def test_generate_checks_the_chosen_buckets_its_prompt_uses() -> None:
+    """`generate` compiles and self-checks only the buckets its prompt's chunks and its decoding
+    will run in, of those `--compile-buckets` chose (a step pads up to the next chosen one)."""
+    from api.generate import _buckets
+    from engine.model.compiled import BUCKETS
+
+    assert _buckets(512, 37, BUCKETS) == [1, 64]
+    assert _buckets(32, 70, BUCKETS) == [1, 8, 32]  # chunks of 32, 32 and 6
+    assert _buckets(32, 70, (1, 64)) == [1, 64]
+    assert _buckets(512, 100, (2, 8)) == [2]  # the prompt runs eager; decoding pads to 2

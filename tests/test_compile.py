@@ -82,10 +82,10 @@ def _sequences(vocab: int) -> list[list[int]]:
 class Pair:
     """An eager and a compiled runner over the same model, each with its own KV cache."""
 
-    def __init__(self, tiny: TinyModel):
+    def __init__(self, tiny: TinyModel, buckets: tuple[int, ...] | None = None):
         self.eager = make_runner(tiny.config, tiny.model)
         self.compiled = make_runner(tiny.config, tiny.model)
-        self.step = CompiledStep(tiny.model)
+        self.step = CompiledStep(tiny.model, buckets)
         self.compiled.step = self.step
         self.seqs = _sequences(tiny.config.vocab_size)
 
@@ -133,6 +133,18 @@ def test_dense_compiled_equals_eager(dense_run: dict[str, Any]) -> None:
     for eager, compiled in dense_run["first"] + dense_run["second"]:
         assert eager.shape == compiled.shape
         assert _rel(eager, compiled) <= 1e-5
+
+
+def test_chosen_buckets_pad_up_to_the_next_chosen_one(dense: TinyModel, dense_run: dict[str, Any]) -> None:
+    """`--compile-buckets 4,16`: the one-token step runs padded in bucket 4, the 70-token one
+    eager, and every step's logits equal eager's."""
+    pair = Pair(dense, (16, 4))
+    assert pair.step.buckets == (4, 16)
+    for eager, compiled in pair.run(DENSE_STEPS):
+        assert _rel(eager, compiled) <= 1e-5
+    assert pair.step.compiled_buckets == {4, 16}
+    with pytest.raises(ValueError, match="some of 1,2,4,8,16,32,64"):
+        CompiledStep(dense.model, (3,))
 
 
 def test_dense_graphs_counted_without_breaks(dense_run: dict[str, Any]) -> None:
@@ -360,6 +372,11 @@ def test_compile_flags() -> None:
     with pytest.raises(ValueError, match="--compile"):
         engine_config(p.parse_args(["--device", "cuda", "--compile"]))
     assert torch._dynamo.config.fail_on_recompile_limit_hit  # past the limit: an error, never eager
+    assert engine_config(p.parse_args([])).compile_buckets is None  # all
+    assert engine_config(p.parse_args(["--compile-buckets", "64,1"])).compile_buckets == (1, 64)
+    for bad in ("1,3", "1,,2", "x"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--compile-buckets", bad])
 
 
 def test_eager_by_default_with_hooks_seeing_every_layer(dense: TinyModel) -> None:

@@ -116,28 +116,31 @@ def test_logits_and_greedy_tokens_match_single_process(case: tuple[TinyModel, An
 
 
 @pytest.mark.parametrize("layout", ["tp", "pp"])
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_quantized_sharded_matches_single_process_quantized(tmp_path: Path, quant: str, layout: str) -> None:
+def test_quantized_sharded_matches_single_process_quantized(tmp_path: Path, layout: str) -> None:
     """Column-parallel linears quantize row by row as the whole model does; row-parallel int8
     scales come from the whole rows (the ranks exchange their row maxima); int4 groups never
     straddle the split. So the sharded quantized model computes what the single one does; two
-    pipeline stages (each quantizing its own layers' whole tensors) too."""
+    pipeline stages (each quantizing its own layers' whole tensors) too. int8 and int4 in one
+    launch of the ranks."""
     from engine.loading.weights import SafetensorsSource, load_model
     from engine.model.quant import QuantConfig
 
     torch.set_num_threads(1)
     t = build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path / "model", intermediate_size=128, tie_word_embeddings=True)
     (tmp_path / "out").mkdir()
-    results = launch_ranks(t.path, tmp_path / "out", (f"{layout}-{quant}",))[f"{layout}-{quant}"]
-    model, _ = load_model(
-        t.config, SafetensorsSource(t.path), torch.float32, progress=False, quantization=QuantConfig(quant)
-    )
-    runner = ranks.sharded_runner(model)
-    mixed = run_mixed_step(runner, BlockPool(runner.kv_cache.num_pages), ranks.prompts(t.config.vocab_size), 20)
-    with_logits = results if layout == "tp" else results[:1]  # pipeline logits reach rank 0 only
-    for r, res in enumerate(with_logits):
-        for ours, ref in zip(res["mixed"], mixed, strict=True):
-            assert rel_error(ours, ref) < 1e-4, f"{layout} rank {r}: {rel_error(ours, ref):.2e}"
+    quants = ("int8", "int4")
+    launched = launch_ranks(t.path, tmp_path / "out", tuple(f"{layout}-{q}" for q in quants))
+    for quant in quants:
+        model, _ = load_model(
+            t.config, SafetensorsSource(t.path), torch.float32, progress=False, quantization=QuantConfig(quant)
+        )
+        runner = ranks.sharded_runner(model)
+        mixed = run_mixed_step(runner, BlockPool(runner.kv_cache.num_pages), ranks.prompts(t.config.vocab_size), 20)
+        results = launched[f"{layout}-{quant}"]
+        with_logits = results if layout == "tp" else results[:1]  # pipeline logits reach rank 0 only
+        for r, res in enumerate(with_logits):
+            for ours, ref in zip(res["mixed"], mixed, strict=True):
+                assert rel_error(ours, ref) < 1e-4, f"{layout} {quant} rank {r}: {rel_error(ours, ref):.2e}"
 
 
 @pytest.mark.parametrize("mode", ["compiled", "ppcompiled"], ids=["tp2", "pp2"])

@@ -1,8 +1,10 @@
-"""`longctx serve --tensor-parallel-size 2` (compiled), `--pipeline-parallel-size 2` and both with
-int8 weights on the tiny Llama (demo tokenizer), through the `openai` client: the engine process
-is rank 0 and spawns the others; a conversation answers what a single-process server answers
-(greedy, float32); SIGKILL of rank 1 turns `/ready` 503 with an error naming it, then the
-server exits 1."""
+"""`longctx serve --tensor-parallel-size 2` and `--pipeline-parallel-size 2` (compiled, with the Redis
+KV tier) and both at once with int8 weights, on the tiny Llama (demo tokenizer), through the
+`openai` client. The engine process is rank 0 and spawns the others. Each layout lives a
+server's whole life in one test: its conversation answers what a single eager process answers
+(greedy, float32), each rank writes its slices of the pages to Redis, SIGKILL of rank 1 turns
+`/ready` 503 with an error naming it and the server exits 1, and a new server on the same Redis
+finds the conversation's next turn cached."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import openai
 import pytest
 import redis
 
-from engine.model.compiled import BUCKETS
 from tests.redis_server import delete_prefix, shared_redis, unique_prefix
 from tests.server import TEST_KEY, Server, http_get, keys_args, running_server, start_server
 
@@ -26,14 +27,20 @@ pytestmark = pytest.mark.slow
 ARGS = ("--dtype", "float32", "--kv-cache-bytes", "16MiB", "--served-model-name", "tiny", "--background-workers", "0")
 TP2 = ("--tensor-parallel-size", "2", "--threads", "1")
 PP2 = ("--pipeline-parallel-size", "2", "--pipeline-layer-split", "1,1", "--threads", "1")
+INT8 = ("--quantization", "int8")
+# The buckets the conversations run in (decoding; prompts and their cached-prefix chunks of <= 64
+# tokens, padded): each rank compiles these before the server is ready.
+COMPILED = ("--compile", "--compile-buckets", "1,64")
 QUESTIONS = ("Name three colours.", "And three animals?")
+NOTES = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(12))
+Turns = list[tuple[list[str], list[float], int]]
 
 
 def _client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=TEST_KEY, max_retries=0, timeout=120)
 
 
-def _conversation(server: Server, questions: tuple[str, ...] = QUESTIONS) -> list[tuple[list[str], list[float], int]]:
+def _conversation(server: Server, questions: tuple[str, ...] = QUESTIONS) -> Turns:
     """Greedy turns of one conversation (Chat Completions, the history sent back each turn): per
     turn, its tokens, their logprobs and the prompt tokens the server found cached."""
     client = _client(server)
@@ -57,115 +64,29 @@ def _conversation(server: Server, questions: tuple[str, ...] = QUESTIONS) -> lis
     return turns
 
 
+def _same_conversation(got: Turns, expected: Turns) -> None:
+    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(got, expected, strict=True):
+        assert tokens == ref_tokens and len(tokens) == 12
+        assert logprobs == pytest.approx(ref_logprobs, rel=1e-4, abs=1e-4)
+    assert got[1][2] > 0  # the second turn's prompt came from the cache
+
+
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
     with shared_redis() as (url, _):
         yield url
 
 
-def test_tensor_parallel_conversation_equals_one_process(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
-    """TP=2 with the compiled step (the default on CPU): both ranks compile and self-check every
-    bucket before the server is ready, `/ready` lists them all compiled, and the conversation
-    equals an eager single process's."""
-    keys = keys_args(tmp_path)
-    with running_server(tiny_model, *ARGS, *keys, log=tmp_path / "one.log", redis_url=redis_url) as one:
-        expected = _conversation(one)
-    log = tmp_path / "tp2.log"
-    with running_server(tiny_model, *ARGS, *TP2, "--compile", *keys, log=log, redis_url=redis_url) as tp:
-        status, ready = http_get(tp.url + "/ready")
-        assert status == 200, ready
-        assert ready["compiled_buckets"] == list(BUCKETS) and not ready["eager_buckets"], ready
-        assert not ready.get("compiling_buckets"), ready  # checked before it was ready
-        got = _conversation(tp)
-        text = log.read_text()
-        assert "spawned rank 1" in text and "rank 1 of 2 ready" in text, text[-3000:]
-        assert text.count(f"self-checked {len(BUCKETS)} compiled buckets") == 2, text[-3000:]  # each rank
-    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(got, expected, strict=True):
-        assert tokens == ref_tokens and len(tokens) == 12
-        assert logprobs == pytest.approx(ref_logprobs, rel=1e-4, abs=1e-4)
-
-
-def test_rank_death_stops_the_server_naming_it(tiny_model: Path, redis_url: str, tmp_path: Path) -> None:
-    log = tmp_path / "tp2.log"
-    server = start_server(tiny_model, "--redis-url", redis_url, *ARGS, *TP2, *keys_args(tmp_path), log=log)
-    try:
-        spawned = re.search(r"spawned rank 1 \(pid (\d+)\)", log.read_text())
-        assert spawned is not None, server.log_tail()
-        os.kill(int(spawned.group(1)), signal.SIGKILL)
-        bodies = []
-        deadline = time.monotonic() + 60
-        while server.proc.poll() is None and time.monotonic() < deadline:
-            status, body = http_get(server.url + "/ready", timeout_s=2.0)
-            if status == 503:
-                bodies.append(body)
-            time.sleep(0.05)
-        code = server.proc.wait(timeout=30)
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-    assert code == 1, server.log_tail()
-    stopped = [b for b in bodies if b.get("phase") == "engine_stopped"]
-    assert stopped, bodies
-    error = stopped[-1]["error"]  # the first may come before the reason is in
-    assert isinstance(error, dict) and "rank 1 failed" in str(error["message"]), stopped
-    assert "SIGKILL" in str(error["message"])
-
-
-def test_pipeline_conversation_equals_one_process_then_a_dead_stage_stops_it(
-    tiny_model: Path, redis_url: str, tmp_path: Path
-) -> None:
-    """PP=2 (one layer per stage, compiled): the conversation's tokens and logprobs equal one
-    eager process's; then SIGKILL of stage 1 makes `/ready` 503 naming it, and the server exits 1."""
-    keys = keys_args(tmp_path)
-    with running_server(tiny_model, *ARGS, *keys, log=tmp_path / "one.log", redis_url=redis_url) as one:
-        expected = _conversation(one)
-    log = tmp_path / "pp2.log"
-    server = start_server(tiny_model, "--redis-url", redis_url, *ARGS, *PP2, "--compile", *keys, log=log)
-    try:
-        status, ready = http_get(server.url + "/ready")
-        assert status == 200 and ready["compiled_buckets"] == list(BUCKETS), ready  # each stage compiled its layers
-        got = _conversation(server)
-        text = log.read_text()
-        assert re.search(r"rank 1 \(stage 1 of 2\): .* loaded", text), text[-3000:]
-        spawned = re.search(r"spawned rank 1 \(pid (\d+)\)", text)
-        assert spawned is not None, server.log_tail()
-        os.kill(int(spawned.group(1)), signal.SIGKILL)
-        stopped = _stopped_bodies(server)
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(got, expected, strict=True):
-        assert tokens == ref_tokens and len(tokens) == 12
-        assert logprobs == pytest.approx(ref_logprobs, rel=1e-4, abs=1e-4)
-    assert got[1][2] > 0  # the second turn's prompt came from the prefix cache
-    assert server.proc.returncode == 1, server.log_tail()
-    assert stopped, server.log_tail()
-    message = str(stopped[-1]["error"])
-    assert "rank 1 failed" in message and "SIGKILL" in message, stopped
-
-
-def test_pipeline_by_tensor_parallel_int8_conversation_equals_one_process(
-    tiny_model: Path, redis_url: str, tmp_path: Path
-) -> None:
-    """PP=2 x TP=2 (four ranks: rank 0 spawns three) with int8 weights, compiled: the
-    conversation's tokens and logprobs equal one eager int8 process's, and the second turn's
-    prompt comes from the cache."""
-    keys = keys_args(tmp_path)
-    int8 = ("--quantization", "int8")
-    with running_server(tiny_model, *ARGS, *int8, *keys, log=tmp_path / "one.log", redis_url=redis_url) as one:
-        expected = _conversation(one)
-    log = tmp_path / "pp2tp2.log"
-    four = ("--pipeline-parallel-size", "2", "--tensor-parallel-size", "2", "--threads", "1")
-    with running_server(tiny_model, *ARGS, *four, *int8, "--compile", *keys, log=log, redis_url=redis_url) as sharded:
-        status, ready = http_get(sharded.url + "/ready")
-        assert status == 200 and ready["compiled_buckets"] == list(BUCKETS), ready
-        got = _conversation(sharded)
-        text = log.read_text()
-    assert all(f"spawned rank {r}" in text for r in (1, 2, 3)), text[-3000:]
-    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(got, expected, strict=True):
-        assert tokens == ref_tokens and len(tokens) == 12
-        assert logprobs == pytest.approx(ref_logprobs, rel=1e-4, abs=1e-4)
-    assert got[1][2] > 0
+@pytest.fixture(scope="module")
+def one_process(tiny_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Turns]:
+    """The conversation on a single eager process, float32 and int8: what every layout must answer."""
+    tmp = tmp_path_factory.mktemp("one")
+    keys = keys_args(tmp)
+    turns = {}
+    for name, extra in (("float32", ()), ("int8", INT8)):
+        with running_server(tiny_model, *ARGS, *extra, *keys, log=tmp / f"{name}.log", redis_url=redis_url) as one:
+            turns[name] = _conversation(one)
+    return turns
 
 
 def _stopped_bodies(server: Server) -> list[dict[str, Any]]:
@@ -179,9 +100,6 @@ def _stopped_bodies(server: Server) -> list[dict[str, Any]]:
         time.sleep(0.05)
     server.proc.wait(timeout=30)
     return bodies
-
-
-NOTES = " ".join(f"Note {i}: the hive number {i} gave {i % 7 + 3} kilos of honey." for i in range(12))
 
 
 def _pages_by_namespace(url: str, prefix: str) -> dict[str, int]:
@@ -198,33 +116,79 @@ def _pages_by_namespace(url: str, prefix: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("layout", [TP2, PP2], ids=["tp2", "pp2"])
-def test_restart_restores_each_ranks_kv_slices_from_redis(
-    tiny_model: Path, redis_url: str, tmp_path: Path, layout: tuple[str, ...]
+def test_sharded_server_answers_dies_naming_the_rank_and_restarts_from_its_slices(
+    tiny_model: Path, redis_url: str, one_process: dict[str, Turns], tmp_path: Path, layout: tuple[str, ...]
 ) -> None:
-    """TP=2 (or PP=2) with the Redis KV tier: a turn, SIGKILL of the server, a second server on
-    the same Redis: the next turn of the conversation finds >= 80% of its prompt cached (every
-    rank's slices of those pages, its heads or its stage's layers, were there)."""
+    """TP=2 (or PP=2, one layer per stage), compiled, with the Redis KV tier:
+    - every rank compiled and self-checked the chosen buckets before the server was ready
+      (`/ready` lists them compiled);
+    - the conversation's tokens and logprobs equal one eager process's;
+    - a long turn: each rank wrote its slices of the pages (its heads, or its stage's layers)
+      under its own namespace, every page in both;
+    - SIGKILL of rank 1: `/ready` 503 `engine_stopped` naming it, then the server exits 1;
+    - a new (eager) server on the same Redis: the conversation's next turn finds >= 80% of its
+      prompt cached (every rank restored its slices)."""
     prefix = unique_prefix()
     args = ("--redis-url", redis_url, "--kv-redis-url", redis_url, *ARGS, *layout, *keys_args(tmp_path))
-    first = start_server(tiny_model, *args, log=tmp_path / "a.log", prefix=prefix)
+    log = tmp_path / "a.log"
+    first = start_server(tiny_model, *args, *COMPILED, log=log, prefix=prefix)
     try:
+        status, ready = http_get(first.url + "/ready")
+        assert status == 200 and ready["compiled_buckets"] == [1, 64] and not ready["eager_buckets"], ready
+        assert not ready.get("compiling_buckets"), ready  # checked before it was ready
+        got = _conversation(first)
         client = _client(first)
         conv = client.conversations.create(items=[])
         turn = client.responses.create(model="tiny", conversation=conv.id, input=NOTES, temperature=0,
                                        max_output_tokens=4)  # fmt: skip
         assert turn.usage is not None and turn.usage.input_tokens > 200
+        text = log.read_text()
+        spawned = re.search(r"spawned rank 1 \(pid (\d+)\)", text)
+        assert spawned is not None, first.log_tail()
+        os.kill(int(spawned.group(1)), signal.SIGKILL)
+        stopped = _stopped_bodies(first)
     finally:
-        first.proc.send_signal(signal.SIGKILL)
-        first.proc.wait()
-    slices = _pages_by_namespace(redis_url, f"{prefix}:kv:")
-    assert len(slices) == 2 and len(set(slices.values())) == 1, slices  # one namespace per rank, every page in both
-    second = start_server(tiny_model, *args, log=tmp_path / "b.log", prefix=prefix)
+        if first.proc.poll() is None:
+            first.proc.kill()
     try:
-        nxt = _client(second).responses.create(model="tiny", conversation=conv.id, input="Which hive gave most?",
-                                               temperature=0, max_output_tokens=4)  # fmt: skip
-        assert nxt.usage is not None
-        cached = nxt.usage.input_tokens_details.cached_tokens
-        assert cached >= 0.8 * nxt.usage.input_tokens, (cached, nxt.usage.input_tokens, second.log_tail())
+        _same_conversation(got, one_process["float32"])
+        if layout == TP2:
+            assert "rank 1 of 2 ready" in text, text[-3000:]
+            assert text.count("self-checked 2 compiled buckets") == 2, text[-3000:]  # each rank
+        else:
+            assert re.search(r"rank 1 \(stage 1 of 2\): .* loaded", text), text[-3000:]
+        assert first.proc.returncode == 1, first.log_tail()
+        assert stopped, first.log_tail()
+        message = str(stopped[-1]["error"])  # the first may come before the reason is in
+        assert "rank 1 failed" in message and "SIGKILL" in message, stopped
+        slices = _pages_by_namespace(redis_url, f"{prefix}:kv:")
+        assert len(slices) == 2 and len(set(slices.values())) == 1, slices  # one namespace per rank, every page in both
+        second = start_server(tiny_model, *args, log=tmp_path / "b.log", prefix=prefix)
+        try:
+            nxt = _client(second).responses.create(model="tiny", conversation=conv.id, input="Which hive gave most?",
+                                                   temperature=0, max_output_tokens=4)  # fmt: skip
+            assert nxt.usage is not None
+            cached = nxt.usage.input_tokens_details.cached_tokens
+            assert cached >= 0.8 * nxt.usage.input_tokens, (cached, nxt.usage.input_tokens, second.log_tail())
+        finally:
+            assert second.stop() == 0, second.log_tail()
     finally:
-        assert second.stop() == 0, second.log_tail()
         delete_prefix(redis_url, prefix)
+
+
+def test_pipeline_by_tensor_parallel_int8_conversation_equals_one_process(
+    tiny_model: Path, redis_url: str, one_process: dict[str, Turns], tmp_path: Path
+) -> None:
+    """PP=2 x TP=2 (four ranks: rank 0 spawns three) with int8 weights, compiled: the
+    conversation's tokens and logprobs equal one eager int8 process's, and the second turn's
+    prompt comes from the cache."""
+    log = tmp_path / "pp2tp2.log"
+    four = ("--pipeline-parallel-size", "2", "--tensor-parallel-size", "2", "--threads", "1")
+    keys = keys_args(tmp_path)
+    with running_server(tiny_model, *ARGS, *four, *INT8, *COMPILED, *keys, log=log, redis_url=redis_url) as sharded:
+        status, ready = http_get(sharded.url + "/ready")
+        assert status == 200 and ready["compiled_buckets"] == [1, 64], ready
+        got = _conversation(sharded)
+        text = log.read_text()
+    assert all(f"spawned rank {r}" in text for r in (1, 2, 3)), text[-3000:]
+    _same_conversation(got, one_process["int8"])

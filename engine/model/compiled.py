@@ -1,11 +1,12 @@
 """A compiled decoder step: the per-layer regions of `regions.py` through `torch.compile`
 (inductor), attention, embedding, final norm and LM head left eager.
 
-Steps are padded to a static bucket of token counts (`BUCKETS`); steps with more tokens run the
-eager model. Each region is one compiled function shared by every layer (weights are inputs),
-so a model makes at most `regions x buckets` graphs, compiled by `warm_up` (`serve`: in a
-background process, `engine/process/background_compile.py`; buckets in `pending` run eager until
-switched in). A recompile past that is an error, never a silent fall back to eager: `fail_on_recompile_limit_hit`.
+Steps are padded to a static bucket of token counts (`BUCKETS`, or the subset `--compile-buckets`
+chose); steps with more tokens run the eager model. Each region is one compiled function shared
+by every layer (weights are inputs), so a model makes at most `regions x buckets` graphs,
+compiled by `warm_up` (`serve`: in a background process, `engine/process/background_compile.py`;
+buckets in `pending` run eager until switched in). A recompile past that is an error, never a
+silent fall back to eager: `fail_on_recompile_limit_hit`.
 Graphs are cached by inductor's FX graph cache under `$LONGCTX_HOME/compile/inductor`, and each
 graph a layer is bound to is also kept in `$LONGCTX_HOME/compile/graphs` (`graph_store.py`), so a
 second start loads them without tracing.
@@ -55,12 +56,22 @@ log = logging.getLogger("longctx.compile")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def bucket_for(num_tokens: int) -> int | None:
-    """The smallest bucket holding `num_tokens`, or None past the largest (eager)."""
-    for b in BUCKETS:
+def bucket_for(num_tokens: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
+    """The smallest of `buckets` (sorted) holding `num_tokens`, or None past the largest (eager)."""
+    for b in buckets:
         if num_tokens <= b:
             return b
     return None
+
+
+def chosen_buckets(buckets: tuple[int, ...] | None) -> tuple[int, ...]:
+    """`buckets` sorted and checked against `BUCKETS` (None: every one)."""
+    if buckets is None:
+        return BUCKETS
+    chosen = tuple(sorted(set(buckets)))
+    if not chosen or any(b not in BUCKETS for b in chosen):
+        raise ValueError(f"compile buckets must be some of {','.join(map(str, BUCKETS))}, got {list(buckets)}")
+    return chosen
 
 
 @functools.cache
@@ -71,8 +82,11 @@ def _compiled(fn: Callable[..., Any]) -> Region:
 class CompiledStep:
     """Callable like `CausalLM.forward`; runs the compiled regions for steps of up to 64 tokens."""
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, buckets: tuple[int, ...] | None = None):
         self.model = model
+        # The step sizes this step compiles (`--compile-buckets`): a step runs padded to the
+        # smallest that holds it; past the largest, eager.
+        self.buckets = chosen_buckets(buckets)
         self.tp = model.parallel if model.parallel.sharded else None  # eager all-reduces between regions
         self.pre = _compiled(pre_attention)
         self.post = _compiled(post_attention)
@@ -130,7 +144,7 @@ class CompiledStep:
         images: StepImages | None = None,
     ) -> torch.Tensor:
         T = input_ids.shape[0]
-        bucket = bucket_for(T)
+        bucket = bucket_for(T, self.buckets)
         if bucket is None or bucket in self.eager_buckets or bucket in self.pending:
             return self.model(input_ids, meta, kv_caches, backend, logits_indices, images)
         m = self.model
@@ -246,7 +260,7 @@ class CompiledStep:
             self.observer(bucket, layer, which, args, out)
         return out
 
-    def warm_up(self, page_size: int, buckets: tuple[int, ...] = BUCKETS) -> float:
+    def warm_up(self, page_size: int, buckets: tuple[int, ...] | None = None) -> float:
         """Compile (or load from the cache) every bucket's graphs by running a throwaway step of
         that many tokens over a scratch KV cache; a bucket whose graphs are all in the graph
         store is not run (its layers bind from the store at its first step, without tracing).
@@ -254,6 +268,7 @@ class CompiledStep:
         from engine.attention.torch_paged import TorchPagedBackend
 
         t0 = time.perf_counter()
+        buckets = self.buckets if buckets is None else buckets
         m = self.model
         cfg = m.config
         dtype = m.model.norm.weight.dtype

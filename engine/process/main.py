@@ -363,13 +363,13 @@ def main(argv: list[str]) -> int:
         phase = "compiled"
         report, compiler = None, None
         if spec.check_compiled:
-            from engine.model.compiled import BUCKETS, CompiledStep
+            from engine.model.compiled import CompiledStep
             from engine.process.background_compile import BackgroundCompile
             from engine.verify.self_check import warm_up_and_check
 
             if isinstance(engine.runner.step, CompiledStep):
                 step, page = engine.runner.step, engine.kv_spec.page_size
-                buckets = BUCKETS if build.check_buckets is None else tuple(build.check_buckets)
+                buckets = step.buckets if build.check_buckets is None else tuple(build.check_buckets)
                 if parallel.distributed:  # every rank in step, before serving (DistributedRunner.check_compiled)
                     report = runner.check_compiled(buckets)
                 elif build.background:

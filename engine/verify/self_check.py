@@ -26,7 +26,7 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_paged import TorchPagedBackend
-from engine.model.compiled import BUCKETS, CompiledStep
+from engine.model.compiled import CompiledStep
 from engine.verify.agreement import rel_error
 from engine.verify.bounds import compiled_bound
 
@@ -162,8 +162,10 @@ def safe_check(step: CompiledStep, bucket: int, page_size: int) -> BucketCheck:
         return BucketCheck(bucket, float("inf"), compiled_bound(step.model.model.norm.weight.dtype), str(e), 0.0)
 
 
-def warm_up_and_check(step: CompiledStep, page_size: int, buckets: tuple[int, ...] = BUCKETS) -> CompileReport:
-    """Compile (or load) `buckets`' graphs, then check each; a bucket over its bound runs eager."""
+def warm_up_and_check(step: CompiledStep, page_size: int, buckets: tuple[int, ...] | None = None) -> CompileReport:
+    """Compile (or load) `buckets`' graphs (default: the step's), then check each; a bucket over
+    its bound runs eager."""
+    buckets = step.buckets if buckets is None else buckets
     report = CompileReport(compile_s=step.warm_up(page_size, buckets))
     t0 = time.perf_counter()
     for bucket in buckets:
