@@ -22,19 +22,12 @@ from engine.sampling_params import SamplingParams
 def _check_buckets(engine: Any, prompt_len: int) -> None:
     """Compile and self-check the compiled step's buckets this prompt will use (its prefill
     chunks' and decoding's), as `serve` does for every bucket at start; one that fails runs eager."""
+    from engine.compiled_runner import check_compiled
     from engine.model.compiled import CompiledStep
-    from engine.verify.self_check import warm_up_and_check
 
     step = engine.runner.step
-    if not isinstance(step, CompiledStep):
-        return
-    buckets = tuple(_buckets(engine.config.max_num_batched_tokens, prompt_len, step.buckets))
-    from engine.distributed_runner import DistributedRunner
-
-    if isinstance(engine.runner, DistributedRunner):  # every rank compiles and checks them, in step
-        engine.runner.check_compiled(buckets)
-    else:
-        warm_up_and_check(step, engine.kv_spec.page_size, buckets)
+    if isinstance(step, CompiledStep):
+        check_compiled(engine.runner, tuple(_buckets(engine.config.max_num_batched_tokens, prompt_len, step.buckets)))
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:

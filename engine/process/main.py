@@ -363,20 +363,17 @@ def main(argv: list[str]) -> int:
         phase = "compiled"
         report, compiler = None, None
         if spec.check_compiled:
+            from engine.compiled_runner import check_compiled
             from engine.model.compiled import CompiledStep
             from engine.process.background_compile import BackgroundCompile
-            from engine.verify.self_check import warm_up_and_check
 
-            if isinstance(engine.runner.step, CompiledStep):
-                step, page = engine.runner.step, engine.kv_spec.page_size
-                buckets = step.buckets if build.check_buckets is None else tuple(build.check_buckets)
-                if parallel.distributed:  # every rank in step, before serving (DistributedRunner.check_compiled)
-                    report = runner.check_compiled(buckets)
-                elif build.background:
-                    compiler = BackgroundCompile(step, page, buckets, spec_path)
-                    report = compiler.report
-                else:
-                    report = warm_up_and_check(step, page, buckets)
+            step = engine.runner.step
+            buckets = None if build.check_buckets is None else tuple(build.check_buckets)
+            if isinstance(step, CompiledStep) and build.background and not parallel.distributed:
+                compiler = BackgroundCompile(step, engine.kv_spec.page_size, buckets or step.buckets, spec_path)
+                report = compiler.report
+            else:  # a sharded engine's ranks compile and check in step, before serving
+                report = check_compiled(engine.runner, buckets)
         started("compiled", report)
     except Exception as e:
         from engine.loading.model_source import ModelNotFound
