@@ -152,7 +152,9 @@ def run_mode(ctx: ParallelContext, model_dir: Path, quant: QuantConfig = NONE) -
 
 def run_compiled(ctx: ParallelContext, model_dir: Path) -> dict[str, object]:
     """The compiled step on this rank's shard: its self-check (every rank in step: the checks'
-    eager and compiled runs both communicate), then the mixed step through it."""
+    eager and compiled runs both communicate; a later stage on the hidden states the stage before
+    it sent), then the mixed step through it."""
+    from engine.distributed_runner import stage_check_inputs
     from engine.model.compiled import CompiledStep
     from engine.verify.self_check import check_bucket
     from tests.tiny_models import run_mixed_step
@@ -162,9 +164,11 @@ def run_compiled(ctx: ParallelContext, model_dir: Path) -> dict[str, object]:
     runner = sharded_runner(model)
     step = CompiledStep(model)
     runner.step = step
-    checks = [check_bucket(step, 8, PAGE_SIZE)]  # a bucket the mixed step uses too: its graphs compile once
+    hidden = stage_check_inputs(step, PAGE_SIZE, (8,), ctx)
+    checks = [check_bucket(step, 8, PAGE_SIZE, hidden.get(8))]  # a bucket the mixed step uses too: compiled once
     mixed = run_mixed_step(runner, BlockPool(runner.kv_cache.num_pages), prompts(config.vocab_size), MIXED_SPLIT)
-    return {"mixed": mixed, "checks": [c.error for c in checks], "buckets": sorted(step.compiled_buckets)}
+    return {"mixed": mixed, "checks": [c.error for c in checks], "buckets": sorted(step.compiled_buckets),
+            "check_input": hidden.get(8)}  # fmt: skip
 
 
 def run_serve(model_dir: Path, stages: int) -> None:

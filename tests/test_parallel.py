@@ -164,9 +164,25 @@ def test_compiled_step_on_sharded_ranks_matches_single_process(tmp_path: Path, m
         assert res["buckets"], r  # steps really ran compiled
         if mode == "ppcompiled" and r > 0:
             assert res["mixed"] == [], r
+            # the second stage checked its bucket on what the first stage computed from the check's token ids
+            assert rel_error(res["check_input"], _first_stage_output(t, 8)) < THRESHOLD
             continue
+        assert res["check_input"] is None
         for ours, ref in zip(res["mixed"], mixed, strict=True):
             assert rel_error(ours, ref) < THRESHOLD, f"rank {r}"
+
+
+def _first_stage_output(t: TinyModel, bucket: int) -> torch.Tensor:
+    """The hidden states the first of two stages computes, eager, from the self-check's token ids."""
+    from engine.loading.weights import SafetensorsSource, load_model
+    from engine.model.compiled import CompiledStep
+    from engine.verify.self_check import step_inputs
+
+    first, _ = load_model(
+        t.config, SafetensorsSource(t.path), torch.float32, progress=False, parallel=ParallelContext(pp_size=2)
+    )
+    with torch.inference_mode():
+        return first(*step_inputs(CompiledStep(first), bucket, ranks.PAGE_SIZE))
 
 
 def _replicated(name: str, shape: tuple[int, ...], num_kv_heads: int) -> bool:

@@ -98,7 +98,11 @@ def _ids(bucket: int, vocab: int) -> torch.Tensor:
     return (torch.arange(bucket, dtype=torch.int64) * 7919 + 101) % max(vocab - 256, 1)
 
 
-def _step_inputs(step: CompiledStep, bucket: int, page_size: int) -> tuple[Any, ...]:
+def step_inputs(step: CompiledStep, bucket: int, page_size: int, hidden: torch.Tensor | None = None) -> tuple[Any, ...]:
+    """The check's step of `bucket` tokens: (input, metadata, scratch KV caches, backend). The
+    input is the fixed token ids, or for a later pipeline stage `hidden` (the previous stage's
+    eager output on them, `engine/distributed_runner.stage_check_inputs`), else fixed hidden
+    states of an embedding's scale (real ones run in the hundreds: a check on these errs more)."""
     m = step.model
     cfg = m.config
     norm = m.model.norm.weight
@@ -112,19 +116,21 @@ def _step_inputs(step: CompiledStep, bucket: int, page_size: int) -> tuple[Any, 
     backend.plan(meta)
     if m.parallel.first_stage:
         inputs = _ids(bucket, cfg.vocab_size)
-    else:  # a later pipeline stage starts from hidden states: fixed ones of an embedding's scale
+    elif hidden is not None:
+        inputs = hidden.clone()
+    else:
         g = torch.Generator().manual_seed(bucket)
         inputs = 0.05 * torch.randn(bucket, cfg.hidden_size, generator=g).to(norm.dtype)
     return inputs.to(norm.device), meta, caches, backend
 
 
 @torch.inference_mode()
-def check_bucket(step: CompiledStep, bucket: int, page_size: int) -> BucketCheck:
-    """The compiled step at `bucket` against the eager model on the fixed input."""
+def check_bucket(step: CompiledStep, bucket: int, page_size: int, hidden: torch.Tensor | None = None) -> BucketCheck:
+    """The compiled step at `bucket` against the eager model on the fixed input (`step_inputs`)."""
     dtype = step.model.model.norm.weight.dtype
-    ids, meta, caches, backend = _step_inputs(step, bucket, page_size)
+    ids, meta, caches, backend = step_inputs(step, bucket, page_size, hidden)
     eager = step.model(ids, meta, caches, backend)  # [bucket, V] float32 ([bucket, hidden] before the last stage)
-    ids, meta, caches, backend = _step_inputs(step, bucket, page_size)
+    ids, meta, caches, backend = step_inputs(step, bucket, page_size, hidden)
     worst = ("", 0.0)
 
     def observe(_bucket: int, layer: int, which: int, args: tuple[Any, ...], out: Any) -> None:
@@ -140,7 +146,7 @@ def check_bucket(step: CompiledStep, bucket: int, page_size: int) -> BucketCheck
         by_region = step(ids, meta, caches, backend)
     finally:
         step.observer = None
-    ids, meta, caches, backend = _step_inputs(step, bucket, page_size)
+    ids, meta, caches, backend = step_inputs(step, bucket, page_size, hidden)
     direct = step(ids, meta, caches, backend)  # the bound graphs as steps call them
     error = max(rel_error(by_region, eager), rel_error(direct, eager))
     return BucketCheck(bucket, error, compiled_bound(dtype), *worst)
@@ -154,22 +160,27 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return flat
 
 
-def safe_check(step: CompiledStep, bucket: int, page_size: int) -> BucketCheck:
+def safe_check(step: CompiledStep, bucket: int, page_size: int, hidden: torch.Tensor | None = None) -> BucketCheck:
     """`check_bucket`, a graph that raises counting as one that fails its check."""
     try:
-        return check_bucket(step, bucket, page_size)
+        return check_bucket(step, bucket, page_size, hidden)
     except Exception as e:
         return BucketCheck(bucket, float("inf"), compiled_bound(step.model.model.norm.weight.dtype), str(e), 0.0)
 
 
-def warm_up_and_check(step: CompiledStep, page_size: int, buckets: tuple[int, ...] | None = None) -> CompileReport:
-    """Compile (or load) `buckets`' graphs (default: the step's), then check each; a bucket over
-    its bound runs eager."""
+def warm_up_and_check(
+    step: CompiledStep,
+    page_size: int,
+    buckets: tuple[int, ...] | None = None,
+    hidden: dict[int, torch.Tensor] | None = None,
+) -> CompileReport:
+    """Compile (or load) `buckets`' graphs (default: the step's), then check each (a later
+    pipeline stage on `hidden[bucket]`, its input); a bucket over its bound runs eager."""
     buckets = step.buckets if buckets is None else buckets
     report = CompileReport(compile_s=step.warm_up(page_size, buckets))
     t0 = time.perf_counter()
     for bucket in buckets:
-        report.add(step, safe_check(step, bucket, page_size))
+        report.add(step, safe_check(step, bucket, page_size, (hidden or {}).get(bucket)))
     report.check_s = time.perf_counter() - t0
     report.log_summary()
     return report
