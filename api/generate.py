@@ -22,12 +22,11 @@ from engine.sampling_params import SamplingParams
 def _check_buckets(engine: Any, prompt_len: int) -> None:
     """Compile and self-check the compiled step's buckets this prompt will use (its prefill
     chunks' and decoding's), as `serve` does for every bucket at start; one that fails runs eager."""
-    from engine.compiled_runner import check_compiled
     from engine.model.compiled import CompiledStep
 
     step = engine.runner.step
-    if isinstance(step, CompiledStep):
-        check_compiled(engine.runner, tuple(_buckets(engine.config.max_num_batched_tokens, prompt_len, step.buckets)))
+    if isinstance(step, CompiledStep):  # a sharded engine's ranks all compile and check them, in step
+        engine.runner.check_compiled(tuple(_buckets(engine.config.max_num_batched_tokens, prompt_len, step.buckets)))
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:

@@ -71,11 +71,12 @@ class DistributedRunner(ModelRunner):
                 self.watchdog.explain(e)
             raise
 
-    def check_compiled(self, buckets: tuple[int, ...]) -> CompileReport | None:
-        """Compile and self-check the compiled step's `buckets` on every rank, in step
-        (`check_in_step`); None when this engine runs eager."""
+    def check_compiled(self, buckets: tuple[int, ...] | None = None) -> CompileReport | None:
+        """Compile and self-check the compiled step's `buckets` (None: all it compiles) on every
+        rank, in step (`check_in_step`); None when this engine runs eager."""
         if not isinstance(self.step, CompiledStep):
             return None
+        buckets = self.step.buckets if buckets is None else buckets
         page = self.kv_cache.spec.page_size
         self.parallel.broadcast_object(("compile", page, buckets))
         return check_in_step(self.step, page, buckets, self.parallel)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from engine.model.model import CausalLM
 from engine.model.vision.step import ChunkImages, gather_step
 from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
+
+if TYPE_CHECKING:
+    from engine.verify.self_check import CompileReport
 
 
 def build_kernels(device: torch.device) -> None:
@@ -55,6 +59,16 @@ class ModelRunner:
         # Pipeline parallel: a step splits into at most this many micro-batches (default: stages).
         self.max_micro_batches = model.parallel.pp_size
         self.busy_s = self.wall_s = 0.0  # pipeline: this stage's compute and step time (bubble 1 - busy/wall)
+
+    def check_compiled(self, buckets: tuple[int, ...] | None = None) -> CompileReport | None:
+        """Compile and self-check the compiled step's `buckets` (None: all it compiles) before
+        serving; a bucket that fails runs eager. None when this runner runs eager."""
+        from engine.model.compiled import CompiledStep
+        from engine.verify.self_check import warm_up_and_check
+
+        if not isinstance(self.step, CompiledStep):
+            return None
+        return warm_up_and_check(self.step, self.kv_cache.spec.page_size, buckets)
 
     @classmethod
     def for_model(cls, model: CausalLM, page_size: int, kv_cache_bytes: int, attention_backend: str) -> ModelRunner:

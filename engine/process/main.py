@@ -363,7 +363,6 @@ def main(argv: list[str]) -> int:
         phase = "compiled"
         report, compiler = None, None
         if spec.check_compiled:
-            from engine.compiled_runner import check_compiled
             from engine.model.compiled import CompiledStep
             from engine.process.background_compile import BackgroundCompile
 
@@ -373,7 +372,7 @@ def main(argv: list[str]) -> int:
                 compiler = BackgroundCompile(step, engine.kv_spec.page_size, buckets or step.buckets, spec_path)
                 report = compiler.report
             else:  # a sharded engine's ranks compile and check in step, before serving
-                report = check_compiled(engine.runner, buckets)
+                report = engine.runner.check_compiled(buckets)
         started("compiled", report)
     except Exception as e:
         from engine.loading.model_source import ModelNotFound
