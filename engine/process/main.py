@@ -369,7 +369,8 @@ def main(argv: list[str]) -> int:
             step = engine.runner.step
             buckets = None if build.check_buckets is None else tuple(build.check_buckets)
             if isinstance(step, CompiledStep) and build.background and not parallel.distributed:
-                compiler = BackgroundCompile(step, engine.kv_spec.page_size, buckets or step.buckets, spec_path)
+                chosen = step.buckets if buckets is None else buckets  # (an empty list: none, as before)
+                compiler = BackgroundCompile(step, engine.kv_spec.page_size, chosen, spec_path)
                 report = compiler.report
             else:  # a sharded engine's ranks compile and check in step, before serving
                 report = engine.runner.check_compiled(buckets)
