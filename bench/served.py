@@ -207,7 +207,9 @@ def run_in_process(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     quant = "none" if dtype == "bfloat16" else dtype
     loaded = load("smollm2-135m-instruct", "bfloat16", progress=False, quantization=quant)
     compiled = not args.no_compile and want_compile(
-        argparse.Namespace(compile=None, device="cpu", tensor_parallel_size=1)
+        argparse.Namespace(
+            compile=None, device="cpu", tensor_parallel_size=1, pipeline_parallel_size=1, pipeline_layer_split=""
+        )
     )
     config = EngineConfig(kv_cache_bytes=1 << 30, max_num_seqs=32, threads=args.threads, compile=compiled)
     engine = Engine(loaded.model, loaded.tokenizer, config)
