@@ -7,7 +7,9 @@ proxy adding 0, 5 or 50 ms to every reply (`tests/delay_proxy.py`: replies are h
 serialized, no bandwidth cap); the host tier on (holding every conversation) or off. Reported
 per cell: the share of each later turn's previous prompt + output served from cache (min and
 mean over later turns), TTFT p50/p95 of later turns against a cold prefill of a first prompt
-alone (same engine settings, measured first), bytes read from Redis, preemptions, restored pages
+alone (same engine settings, measured first) and against the same turns recomputed (per
+conversation count, one run of the same turns with no prefix cache and no tiers: what a later
+turn costs at the same concurrency without reuse), bytes read from Redis, preemptions, restored pages
 left unused, pages a lookup read from the Redis writer's queue and pages handed to it when
 their request was preempted. The outputs of every cell are checked against the first cell's (greedy decoding:
 the tokens must agree whatever was restored).
@@ -52,7 +54,16 @@ def _pct(xs: list[float], q: float) -> float:
 class Runner:
     """One engine (started on its own thread) and the conversations of one cell."""
 
-    def __init__(self, lm: Any, pool_pages: int, host_pages: int, redis_url: str | None, a: Any, prefix: str = ""):
+    def __init__(
+        self,
+        lm: Any,
+        pool_pages: int,
+        host_pages: int,
+        redis_url: str | None,
+        a: Any,
+        prefix: str = "",
+        reuse: bool = True,
+    ):
         from engine.engine import Engine, EngineConfig
 
         c = lm.config
@@ -60,7 +71,7 @@ class Runner:
         cfg = EngineConfig(
             kv_cache_bytes=pool_pages * per_page, host_cache_bytes=host_pages * per_page,
             kv_redis_url=redis_url, kv_redis_prefix=prefix or f"longctx-bench-{uuid.uuid4().hex[:10]}",
-            max_num_batched_tokens=a.budget, threads=a.threads, compile=a.compile,
+            max_num_batched_tokens=a.budget, threads=a.threads, compile=a.compile, enable_prefix_caching=reuse,
         )  # fmt: skip
         self.engine = Engine(lm.model, lm.tokenizer, cfg, fingerprint=lm.stats.fingerprint).start()
         self.prefix = cfg.kv_redis_prefix
@@ -94,7 +105,9 @@ class Runner:
         self.engine.shutdown()
 
 
-def run_cell(lm: Any, factor: int, delay_ms: int, host: bool, url: str, a: Any) -> dict[str, Any]:
+def run_cell(lm: Any, factor: int, delay_ms: int, host: bool, url: str, a: Any, reuse: bool = True) -> dict[str, Any]:
+    """One cell; `reuse=False`: the same turns recomputed (no prefix cache, no tiers), the
+    reference a later turn's TTFT is held to under the same concurrency."""
     from tests.delay_proxy import DelayProxy
     from tests.redis_server import delete_prefix
 
@@ -102,8 +115,9 @@ def run_cell(lm: Any, factor: int, delay_ms: int, host: bool, url: str, a: Any) 
     conv_pages = -(-(a.conv_tokens + a.turns * (a.new_tokens + a.output_tokens)) // PAGE) + 1
     pool_pages = a.pool_pages or a.pool_convs * conv_pages
     n = factor * a.pool_convs
-    proxy = DelayProxy(url, delay_ms / 1000.0, lifetime_s=900) if delay_ms else None
-    runner = Runner(lm, pool_pages, n * conv_pages + 8 if host else 0, proxy.url if proxy else url, a)
+    proxy = DelayProxy(url, delay_ms / 1000.0, lifetime_s=900) if delay_ms and reuse else None
+    tier_url = (proxy.url if proxy else url) if reuse else None
+    runner = Runner(lm, pool_pages, n * conv_pages + 8 if host and reuse else 0, tier_url, a, reuse=reuse)
     redis = runner.engine.store.redis if runner.engine.store is not None else None
     prompts = [_tokens(1000 + c, a.conv_tokens, vocab) for c in range(n)]
     previous = [0] * n
@@ -136,7 +150,7 @@ def run_cell(lm: Any, factor: int, delay_ms: int, host: bool, url: str, a: Any) 
     ttfts = [x["ttft_s"] for x in later]
     return {
         "factor": factor, "conversations": n, "pool_pages": pool_pages, "delay_ms": delay_ms, "host": host,
-        "min_share": min(shares), "mean_share": sum(shares) / len(shares),
+        "reuse": reuse, "min_share": min(shares), "mean_share": sum(shares) / len(shares),
         "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p95_s": _pct(ttfts, 0.95),
         "first_ttft_p50_s": _pct(first, 0.5), "first_ttft_p95_s": _pct(first, 0.95),
         "redis_bytes_read": stats.get("redis", {}).get("loaded", 0) * value_bytes,
@@ -306,7 +320,11 @@ def main() -> None:
     factors = [int(x) for x in a.factors.split(",") if x]  # none: the restore breakdown only
     cold = cold_prefill(lm, a.redis_url, a) if factors else float("nan")
     cells = []
+    recomputed: dict[int, dict[str, Any]] = {}
     for factor in factors:
+        t0 = time.perf_counter()
+        recomputed[factor] = run_cell(lm, factor, 0, False, a.redis_url, a, reuse=False)
+        print(f"cell {factor}x recomputed (no reuse): {time.perf_counter() - t0:.1f} s", flush=True)
         for delay in [int(x) for x in a.delays_ms.split(",")]:
             for host in [h == "on" for h in a.hosts.split(",")]:
                 t0 = time.perf_counter()
@@ -322,18 +340,25 @@ def main() -> None:
         agree[(c["factor"], c["delay_ms"], c["host"])] = c["outputs"] == ref["outputs"]
     breakdown = [restore_breakdown(lm, tier, a.redis_url, a) for tier in ("host", "redis") if a.restore_tokens]
     print(f"\ncold prefill of a {a.conv_tokens}-token first prompt alone: TTFT {cold * 1000:.0f} ms ({lm.dtype})")
+    for factor, r in recomputed.items():
+        print(
+            f"{factor}x recomputed (no prefix cache, no tiers): later TTFT p50 / p95 "
+            f"{r['ttft_p50_s'] * 1000:.0f} / {r['ttft_p95_s'] * 1000:.0f} ms"
+        )
     print(
         "pool  convs  Redis+  host  later turns cached  later TTFT p50 / p95 (x cold)  "
-        "first turns' TTFT p50 / p95  Redis MB  preempt  unused  queue hits / swapped out  agree"
+        "x recomputed  first turns' TTFT p50 / p95  Redis MB  preempt  unused  queue hits / swapped out  agree"
     )
     for c in cells:
         unused = sum(c["unused"].values())
         ok = agree[(c["factor"], c["delay_ms"], c["host"])]
+        ref = recomputed[c["factor"]]
         print(
             f"{c['factor']}x  {c['conversations']:5d}  {c['delay_ms']:3d} ms  {'on ' if c['host'] else 'off'}  "
             f"min {c['min_share'] * 100:5.1f}% mean {c['mean_share'] * 100:5.1f}%  "
             f"{c['ttft_p50_s'] * 1000:6.0f} / {c['ttft_p95_s'] * 1000:6.0f} ms "
             f"({c['ttft_p50_s'] / cold:.2f} / {c['ttft_p95_s'] / cold:.2f})  "
+            f"{c['ttft_p50_s'] / ref['ttft_p50_s']:.2f} / {c['ttft_p95_s'] / ref['ttft_p95_s']:.2f}  "
             f"{c['first_ttft_p50_s'] * 1000:6.0f} / {c['first_ttft_p95_s'] * 1000:6.0f} ms  "
             f"{c['redis_bytes_read'] / 1e6:7.1f}  {c['preemptions']:7d}  {unused:6d}  "
             f"{c['redis_queue_hits']:5d} / {c['redis_swapped_out']:5d}  {ok}"
@@ -346,11 +371,12 @@ def main() -> None:
             f"raw read of its {b['bytes'] / 1e6:.1f} MB {b['raw_read_s'] * 1000:.1f} ms; "
             f"TTFT with the history in the device pool {b['device_hit_ttft_s'] * 1000:.1f} ms"
         )
-    for c in cells:
+    for c in [*cells, *recomputed.values()]:
         del c["outputs"]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     args = vars(a)
     Path(a.out).write_text(json.dumps({"args": args, "dtype": str(lm.dtype), "cold_ttft_s": cold, "cells": cells,
+                                       "recomputed": {str(k): v for k, v in recomputed.items()},
                                        "outputs_agree": {str(k): v for k, v in agree.items()},
                                        "restore": breakdown}, indent=1))  # fmt: skip
     print(f"wrote {a.out}")
