@@ -197,7 +197,7 @@ def run_in_process(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     """The worker's side: the engine on this process's main thread, outputs timed as pushed."""
     import torch
 
-    from api.engine_args import want_compile
+    from api.engine_args import add_engine_args, want_compile
     from engine.engine import Engine
     from engine.engine_config import EngineConfig
     from engine.loading.loader import load
@@ -207,11 +207,9 @@ def run_in_process(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     quant = "none" if dtype == "bfloat16" else dtype
     loaded = load("smollm2-135m-instruct", "bfloat16", progress=False, quantization=quant)
-    compiled = not args.no_compile and want_compile(
-        argparse.Namespace(
-            compile=None, device="cpu", tensor_parallel_size=1, pipeline_parallel_size=1, pipeline_layer_split=""
-        )
-    )
+    engine_flags = argparse.ArgumentParser()
+    add_engine_args(engine_flags)  # the engine flags' defaults, as `serve` starts (compile where it builds)
+    compiled = not args.no_compile and want_compile(engine_flags.parse_args([]))
     config = EngineConfig(kv_cache_bytes=1 << 30, max_num_seqs=32, threads=args.threads, compile=compiled)
     engine = Engine(loaded.model, loaded.tokenizer, config)
     if compiled:
