@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from engine.attention import cpu_kernel
+from engine.loading.model_source import longctx_home
 from engine.loading.weights import SafetensorsSource, load_model
 from engine.model import linear, quant
 from engine.model.compile_setup import compile_available, prepare
@@ -435,3 +437,44 @@ def test_packed_weights_reach_the_graphs_as_packed(dense: TinyModel) -> None:
     assert len(mode.seen) >= 2 * 4 * dense.config.num_layers  # eager and compiled runners, 4 linears a layer
     for eager, compiled in out:
         assert _rel(eager, compiled) <= 2e-2
+
+
+CPP_KEY = """
+import sys
+from pathlib import Path
+import torch
+import torch._inductor.codecache as codecache
+from engine.model.compile_setup import configure, prepare
+configure(Path(sys.argv[1]), Path(sys.argv[2]))
+prepare()
+keyed = codecache.write
+keys = []
+def spy(content, extension, extra="", *args, **kwargs):
+    out = keyed(content, extension, extra, *args, **kwargs)
+    if extension == "main.cpp":
+        keys.append(out[0])
+    return out
+codecache.write = spy
+torch.set_num_threads(1)
+torch.compile(lambda x: (x * 2).sin() + 1)(torch.randn(8))
+print(torch.__file__, *keys)
+"""
+
+
+def test_graph_cpp_builds_are_found_from_another_environment(tmp_path: Path) -> None:
+    """inductor keys a graph's C++ build by its compile command, which names torch's headers by
+    their path in the environment: the same graph compiled with torch imported from elsewhere (a
+    new clone's `.venv`; here a link to the same package) gets the same key, so its build is found
+    in the shared cache rather than built again."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "torch").symlink_to(Path(torch.__file__).parent)
+    home = longctx_home()  # the tests' one inductor cache (`tests/compile_cache.py`)
+    out = []
+    for first in ([], [str(elsewhere)]):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*first, str(Path(__file__).parents[1])])}
+        cmd = [sys.executable, "-c", CPP_KEY, str(home), str(tmp_path / "graphs")]
+        out.append(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=300).stdout.split())
+    (here, *keys_here), (there, *keys_there) = out
+    assert there.startswith(str(elsewhere)) and not here.startswith(str(elsewhere))  # two torch paths
+    assert keys_here and keys_here == keys_there

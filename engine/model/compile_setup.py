@@ -8,6 +8,7 @@ import os
 import subprocess
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 from engine.attention import cpu_kernel
 from engine.model.direct import use_store
@@ -57,6 +58,33 @@ def prepare() -> None:
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     dynamo_config.fail_on_recompile_limit_hit = True
     _packed_linear_as_fallback()
+    _cpp_keys_without_the_environment()
+
+
+@functools.cache
+def _cpp_keys_without_the_environment() -> None:
+    """Let inductor find a graph's C++ build again from any virtual environment.
+
+    inductor keys each C++ build (a graph's wrapper and kernels: `cpp_wrapper`) by its source and
+    its compile command, and the command names torch's headers and libraries by their absolute
+    paths inside the environment torch is installed in. Every new environment (a fresh clone's
+    `.venv`, a reinstall) thus built every graph's C++ again, torch unchanged: 79 builds, minutes of
+    a core, in a `make test` of a new clone whose caches were otherwise warm. So the key is taken
+    with torch's directory written as its version; the build itself still runs the real command
+    (the files it makes link to the libraries by name, which the process has already loaded)."""
+    import torch
+    import torch._inductor.codecache as codecache
+    from torch.utils import cpp_extension
+
+    root, named = cpp_extension._TORCH_PATH, f"<torch {torch.__version__}>"
+    write = codecache.write
+
+    def keyed_without_root(content: str | bytes, extension: str, extra: str = "", *args: Any, **kwargs: Any) -> Any:
+        if extension.endswith(".cpp") and kwargs.get("key") is None and not args:
+            kwargs["key"] = codecache.get_hash(content.strip(), extra.replace(root, named), "code")
+        return write(content, extension, extra, *args, **kwargs)
+
+    codecache.write = keyed_without_root  # `CppCodeCache.load_async` looks it up at each build
 
 
 @functools.cache
