@@ -35,6 +35,7 @@ from engine.model.regions import post_attention, pre_attention
 from engine.model_runner import Chunk
 from kvstore.block_pool import BlockPool
 from tests.compile_cache import configure_compile
+from tests.server import ROOT
 from tests.tiny_models import TinyModel, build_tiny, make_runner
 
 pytestmark = pytest.mark.skipif(compile_available() is not None, reason=f"cannot compile: {compile_available()}")
@@ -347,10 +348,9 @@ def test_start_with_stored_graphs_imports_neither_dynamo_nor_inductor(
     there) runs no warm-up step and binds every layer from the store at its bucket's first
     step: dynamo and inductor are never imported, and the compiled step still equals the
     eager one."""
-    root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
         [sys.executable, "-c", STORED_START, str(tmp_path), str(graph_dir), str(dense.path)],
-        capture_output=True, text=True, cwd=root, timeout=300,
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -471,10 +471,11 @@ def test_graph_cpp_builds_are_found_from_another_environment(tmp_path: Path) -> 
     (elsewhere / "torch").symlink_to(Path(torch.__file__).parent)
     home = longctx_home()  # the tests' one inductor cache (`tests/compile_cache.py`)
     out = []
-    for first in ([], [str(elsewhere)]):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*first, str(Path(__file__).parents[1])])}
+    for torch_dir in (None, elsewhere):  # `-c` puts the working directory (the checkout) first
+        env = {**os.environ, "PYTHONPATH": str(torch_dir)} if torch_dir else None
         cmd = [sys.executable, "-c", CPP_KEY, str(home), str(tmp_path / "graphs")]
-        out.append(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=300).stdout.split())
+        run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=True, timeout=300)
+        out.append(run.stdout.split())
     (here, *keys_here), (there, *keys_there) = out
     assert there.startswith(str(elsewhere)) and not here.startswith(str(elsewhere))  # two torch paths
     assert keys_here and keys_here == keys_there
