@@ -28,8 +28,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from engine.loading.weights import SafetensorsSource, load_model
 from engine.model.compile_setup import compile_available, prepare
 from engine.model.head import FloatHead
-from engine.model.linear import PackedLinear
-from engine.model.linear_bf16 import WidenedLinear
+from engine.model.linear import PackedLinear, packing_supported
+from engine.model.linear_bf16 import WidenedLinear, bf16_emulated
 from engine.model.model import CausalLM
 from engine.model.quant import QuantConfig, QuantLinear
 from engine.verify.agreement import Agreement, rel_error
@@ -123,8 +123,17 @@ def _assert_kernels(model: CausalLM, path: ServingPath) -> None:
     if path.quantization != "none":
         assert isinstance(mlp, QuantLinear) and isinstance(head, QuantLinear) and head.mode == "int8"
     elif path.dtype == "bfloat16":
-        assert isinstance(mlp, WidenedLinear if path.linear == "widened" else PackedLinear), type(mlp)
+        assert type(mlp) is _bf16_linear_kind(path), type(mlp)
         assert isinstance(head, FloatHead)
+
+
+def _bf16_linear_kind(path: ServingPath) -> type[torch.nn.Module]:
+    """The module a bf16 linear loads as on this path: `widened` is forced; `native` is this CPU's
+    pick (`make_linear`): widened where oneDNN emulates bf16 on AVX-512, oneDNN's prepacked
+    weights where it packs bf16, else torch's own `nn.Linear` (an AVX2 CPU)."""
+    if path.linear == "widened" or bf16_emulated():
+        return WidenedLinear
+    return PackedLinear if packing_supported(torch.bfloat16, torch.device("cpu")) else torch.nn.Linear
 
 
 @pytest.fixture(scope="module")
