@@ -13,7 +13,7 @@ import torch
 from engine.request import FinishReason
 from engine.sampling.grammar import new_bitmask
 from engine.sampling_params import SamplingParams
-from tests.structured_demo import SCHEMAS, compiler, demo_bf16, engine, json_prompt, with_special_marker
+from tests.structured_demo import SCHEMAS, compiler, demo_served, engine, json_prompt, with_special_marker
 from tools.constraints import parse_output_format
 from tools.formats import HERMES, LLAMA3, MISTRAL, ToolCallFormat
 from tools.grammar import DEAD_END, ENDED, GrammarCompiler, XGrammarHook, XGrammarMatcher, check_dead_ends
@@ -289,16 +289,24 @@ def test_ended_matcher_is_not_filled(gc: GrammarCompiler) -> None:
 
 
 def test_twenty_schemas_generate_valid_json(demo_gguf: Path, record_property: Any) -> None:
-    """Greedy + 3 seeds at temperature 1, 512 tokens, all 80 requests in one batch."""
-    lm, gc = demo_bf16(str(demo_gguf)), compiler(str(demo_gguf))
+    """Greedy + 3 seeds at temperature 1, 512 tokens, all 80 requests decoding in one batch. The
+    20 greedy ones are prefilled first; the 60 sampled ones, whose prompts are theirs, then find
+    them in the prefix cache (three quarters of the prompt tokens not computed again) and join
+    the batch before the greedy ones have generated a few tokens."""
+    lm, gc = demo_served(str(demo_gguf)), compiler(str(demo_gguf))
     eng = engine(lm)
     runs = []
     grammars = {name: gc.json_schema(schema) for name, schema in SCHEMAS.items()}
-    for name, schema in SCHEMAS.items():
-        prompt = json_prompt(lm, schema)
-        for seed in (None, 1, 2, 3):
-            params = SamplingParams(max_tokens=512, temperature=0 if seed is None else 1.0, seed=seed)
-            runs.append((name, seed, eng.add_request(prompt, params, matcher=gc.matcher(grammars[name]))))
+    prompts = {name: json_prompt(lm, schema) for name, schema in SCHEMAS.items()}
+    for seeds in ((None,), (1, 2, 3)):
+        for name in SCHEMAS:
+            for seed in seeds:
+                params = SamplingParams(max_tokens=512, temperature=0 if seed is None else 1.0, seed=seed)
+                matcher = gc.matcher(grammars[name])
+                runs.append((name, seed, eng.add_request(prompts[name], params, matcher=matcher)))
+        sched = eng.scheduler
+        while eng.step() and (sched.waiting or any(r.num_computed < len(r.prompt_ids) for r in sched.running)):
+            pass  # until every prompt added so far is prefilled
     eng.run_until_idle()
     truncated, failures = [], []
     for name, seed, handle in runs:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from engine.request import FinishReason
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
-from tests.structured_demo import compiler, demo_bf16, engine, with_special_marker
+from tests.structured_demo import compiler, demo_served, engine, with_special_marker
 from tools import custom
 from tools.calls import ArgumentsDelta, CallDone, CallStarted, Event, TextDelta, ToolCallParser
 from tools.formats import (
@@ -221,7 +221,7 @@ def test_special_token_marker_reaches_the_parser(demo_gguf: Path) -> None:
 
 def test_demo_model_calls_declared_tools(demo_gguf: Path) -> None:
     """required -> a valid call to a declared tool; a named function -> that function; one batch."""
-    lm, gc = demo_bf16(str(demo_gguf)), compiler(str(demo_gguf))
+    lm, gc = demo_served(str(demo_gguf)), compiler(str(demo_gguf))
     eng = engine(lm)
     asks = {
         "required": ("required", "What is the weather like in Paris today?"),
