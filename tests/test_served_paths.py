@@ -201,10 +201,19 @@ def test_windowed_path_agrees_with_eager_float32(windowed: Cells, path: ServingP
         _check_compiled_against_eager(windowed, path)
 
 
-def test_the_default_path_is_in_the_matrix() -> None:
-    """What `--dtype auto` and `--compile` pick on this CPU (bf16 where it is fast, compiled,
-    the kernels) is one of the cells above, not only its neighbours."""
-    from engine.loading.loader import cpu_has_fast_bf16
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_the_default_path_is_in_the_matrix(llama: Cells, quantization: str) -> None:
+    """What `--dtype auto` and `--compile` pick on this CPU for each `--quantization` (bf16
+    where it is fast, and for int4 where its kernel needs bf16 activations; compiled; the
+    kernels) is one of the cells above, not only its neighbours."""
+    from engine.loading.loader import cpu_has_fast_bf16, int4_wants_bf16, resolve_dtype
+    from engine.loading.model_source import ModelPath
+    from engine.model.config import ModelConfig
 
-    default = ServingPath("bfloat16" if cpu_has_fast_bf16() else "float32", True, "none", "native", "kernel")
+    cpu = torch.device("cpu")
+    source = ModelPath("safetensors", llama.tiny.path, "tiny")
+    dtype = resolve_dtype("auto", ModelConfig.from_pretrained_dir(llama.tiny.path), source, cpu, quantization)
+    bf16 = cpu_has_fast_bf16() or (quantization == "int4" and int4_wants_bf16(cpu))
+    assert dtype == (torch.bfloat16 if bf16 else torch.float32)
+    default = ServingPath(str(dtype).removeprefix("torch."), True, quantization, "native", "kernel")
     assert default in PATHS
