@@ -28,10 +28,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from engine.loading.weights import SafetensorsSource, load_model
 from engine.model.compile_setup import compile_available, prepare
 from engine.model.head import FloatHead
-from engine.model.linear import PackedLinear, packing_supported
-from engine.model.linear_bf16 import WidenedLinear, bf16_emulated
+from engine.model.linear import make_linear
+from engine.model.linear_bf16 import WidenedLinear
 from engine.model.model import CausalLM
-from engine.model.quant import QuantConfig, QuantLinear
+from engine.model.quant import NONE, QuantConfig, QuantLinear
 from engine.verify.agreement import Agreement, rel_error
 from engine.verify.bounds import compiled_bound
 from engine.verify.paths import (
@@ -128,12 +128,13 @@ def _assert_kernels(model: CausalLM, path: ServingPath) -> None:
 
 
 def _bf16_linear_kind(path: ServingPath) -> type[torch.nn.Module]:
-    """The module a bf16 linear loads as on this path: `widened` is forced; `native` is this CPU's
-    pick (`make_linear`): widened where oneDNN emulates bf16 on AVX-512, oneDNN's prepacked
-    weights where it packs bf16, else torch's own `nn.Linear` (an AVX2 CPU)."""
-    if path.linear == "widened" or bf16_emulated():
+    """The module a bf16 linear loads as on this path: `widened` is forced; `native` is what the
+    dispatcher (`make_linear`) picks on this CPU, where None keeps torch's own `nn.Linear` (an
+    AVX2 CPU, where oneDNN neither packs nor emulates bf16)."""
+    if path.linear == "widened":
         return WidenedLinear
-    return PackedLinear if packing_supported(torch.bfloat16, torch.device("cpu")) else torch.nn.Linear
+    picked = make_linear(torch.zeros(16, 16, dtype=torch.bfloat16), None, NONE)
+    return torch.nn.Linear if picked is None else type(picked)
 
 
 @pytest.fixture(scope="module")
