@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from tests.cores import THREADS_ARG
+from tests.demo_answers import IDS, QUESTIONS
 from tests.redis_server import shared_redis
 from tests.server import Server, running_server, wait_compiled
 
@@ -88,6 +89,15 @@ def test_text_streamed_and_not_with_usage_and_cache(client: openai.OpenAI, model
     usage = chunks[-1].usage
     assert not chunks[-1].choices and usage is not None
     assert usage.prompt_tokens_details is not None and (usage.prompt_tokens_details.cached_tokens or 0) > 0
+
+
+@pytest.mark.parametrize(("question", "answer"), QUESTIONS, ids=IDS)
+def test_the_defaults_answer_as_eager_float32(client: openai.OpenAI, model: str, question: str, answer: str) -> None:
+    """The served defaults (dtype auto, every compiled bucket self-checked and switched in, this
+    CPU's kernels) give eager float32's greedy answers."""
+    messages: Any = [{"role": "user", "content": question}]
+    done = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=16)
+    assert (done.choices[0].message.content or "").startswith(answer), done.choices[0].message.content
 
 
 class Capital(BaseModel):

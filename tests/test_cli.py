@@ -16,6 +16,7 @@ from api.cli_tools import StructuredRun
 from engine.engine import Engine, EngineConfig
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from tests.demo_answers import QUESTIONS
 from tests.structured_demo import with_special_marker
 from tests.tiny_models import tiny_moe_with_demo_tokenizer
 
@@ -31,19 +32,12 @@ def _longctx(*args: str, defaults: bool = False) -> subprocess.CompletedProcess[
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
 
 
-# What the defaults answer, as eager float32 does (the bf16 head once tied "The" and "L" on the first).
-QUESTIONS = (
-    ("What is the capital of France?", "The capital of France is Paris."),
-    ("What is the capital of Japan?", "The capital of Japan is Tokyo."),
-    ("What is the boiling point of water in Celsius?", "The boiling point of water in Celsius is"),
-)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(("question", "answer"), QUESTIONS, ids=("france", "japan", "boiling"))
-def test_generate_demo_chat_with_the_defaults(demo_gguf: Path, question: str, answer: str) -> None:
+def test_generate_demo_chat_with_the_defaults(demo_gguf: Path) -> None:
     """`--dtype auto` (bf16 on this CPU when it is fast at it), the compiled step, this CPU's kernels,
-    each bucket self-checked at its first use: the answers eager float32 gives."""
+    each bucket self-checked at its first use: the answer eager float32 gives (the other questions
+    go to the served defaults, `tests/test_api_chat.py`, which load the model once for all)."""
+    question, answer = QUESTIONS[0]
     out = _longctx("--model", "smollm2-135m-instruct", "--chat", "--max-tokens", "16", "--prompt", question,
                    defaults=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
