@@ -1,7 +1,8 @@
 """KV tiers below device memory: a host-memory pool and Redis, behind one connector.
 
 `TieredStore` is the engine's KV connector. Pages whose device memory is reused go to the
-host tier (its own byte budget, LRU); full pages computed by the engine are written behind
+host tier (its own byte budget, LRU; a page it holds already is not copied again); full pages
+computed by the engine are written behind
 to Redis. A lookup takes the leading pages found in host memory at once, and asks Redis for
 the rest on a background thread; the engine admits the request when that completes.
 
@@ -41,6 +42,7 @@ class HostCounters:
     stored: int = 0  # pages copied in from device memory
     hits: int = 0  # pages loaded back into device memory
     evicted: int = 0  # pages dropped for the byte budget
+    kept: int = 0  # pages evicted from device memory that were held here already: not copied again
 
 
 class HostTier:
@@ -75,6 +77,19 @@ class HostTier:
         """Whether this page is held here (no LRU touch; any thread)."""
         with self._lock:
             return page_hash in self._pages
+
+    def keep(self, page_hashes: list[bytes]) -> list[bool]:
+        """Per hash, whether it is held here; those held become the most recently used, as a
+        `put` of them would make them (their payload is the same: pages are named by content)."""
+        out = []
+        with self._lock:
+            for h in page_hashes:
+                held = h in self._pages
+                if held:
+                    self._pages.move_to_end(h)
+                out.append(held)
+            self.counters.kept += sum(out)
+        return out
 
     def get_prefix(self, hashes: list[bytes]) -> list[Payload]:
         """Payloads of the leading `hashes` held here (stops at the first miss)."""
@@ -299,7 +314,14 @@ class TieredStore:
                         del self._resident[h]
         if self.host.budget_bytes == 0 or not evicted:
             return
-        for (_, h), payload in zip(evicted, self._read([p for p, _ in evicted]), strict=True):
+        # A page restored from here (or evicted before and matched again) is held here already:
+        # only its LRU place changes. A conversation that cycles through the device pool turn
+        # after turn then copies only its new pages, not its whole history each time.
+        held = self.host.keep([h for _, h in evicted])
+        todo = [e for e, kept in zip(evicted, held, strict=True) if not kept]
+        if not todo:
+            return
+        for (_, h), payload in zip(todo, self._read([p for p, _ in todo]), strict=True):
             self.host.put(h, payload)
 
     def _read(self, pages: list[int]) -> list[Payload]:

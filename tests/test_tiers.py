@@ -121,6 +121,33 @@ def test_evicted_pages_come_back_from_host_tier(dense: TinyModel, kv_dtype: str)
     assert e.pool.num_free == e.pool.num_pages
 
 
+def test_pages_cycling_through_the_pool_are_copied_to_the_host_tier_once(dense: TinyModel) -> None:
+    """Two prompts that each need most of the pool take turns: each turn restores one from the
+    host tier and evicts the other. A page the host tier holds already (restored from it, or
+    evicted before) is not copied again: every page the host tier holds was copied once, each
+    later eviction of it only `kept`, and the logits stay those of a fresh engine."""
+    g = torch.Generator().manual_seed(3)
+    vocab = dense.config.vocab_size
+    a = torch.randint(0, vocab, (70,), generator=g).tolist()
+    b = torch.randint(0, vocab, (100,), generator=g).tolist()
+    pb = page_bytes(dense.config)
+    e = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, host_cache_bytes=64 * pb))
+    fresh = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, enable_prefix_caching=False))
+    refs = {0: first_logits(fresh, a)[0], 1: first_logits(fresh, b)[0]}
+    assert e.store is not None
+    host = e.store.host
+    for turn in range(6):
+        which = turn % 2
+        ours, cached, _ = first_logits(e, (a, b)[which])
+        if turn >= 2:
+            assert cached == (64 if which == 0 else 96), (turn, cached)  # its full pages, from either place
+        assert float((ours - refs[which]).abs().max() / refs[which].abs().max()) < 1e-5
+    c = host.counters
+    assert c.evicted == 0 and c.hits > 0 and c.kept > 0, c
+    assert c.stored == len(host), c  # each page copied once, however often it was evicted
+    assert c.stored + c.kept == e.pool.counters.evicted, (c, e.pool.counters)
+
+
 TEXT = (
     "The history of the printing press begins in the middle of the fifteenth century, when Johannes "
     "Gutenberg, a goldsmith from Mainz, combined several existing technologies into a single practical "
