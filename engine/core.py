@@ -135,6 +135,8 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue[Request | AbortRequest] = queue.SimpleQueue()
         self._wake = threading.Event()
+        if self.store is not None:  # a finished tier lookup wakes the loop: its request is admitted at once
+            self.store.on_fetched = self._wake.set
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
@@ -378,8 +380,9 @@ class EngineCore:
             except Exception as e:
                 self._fail_all(f"engine error: {e}")
                 raise
-            if not busy and self.scheduler.loading:
-                time.sleep(0.001)  # a request waits for KV pages from the host or Redis tier
+            if not busy and self.scheduler.loading:  # a request waits for KV pages from a tier
+                self._wake.wait(0.002)  # set when its lookup ends (or a request comes in)
+                self._wake.clear()
 
     def kv_stats(self) -> dict[str, dict[str, int]]:
         """Counters of the prefix cache and the KV tiers."""

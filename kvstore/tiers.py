@@ -196,6 +196,9 @@ class TieredStore:
         # one entry per device page).
         self._resident: dict[bytes, int] = {}
         self._resident_lock = threading.Lock()
+        # Called (on the lookup thread) when a Redis lookup ends, so that the step loop admits
+        # its request at once instead of at its next poll; any thread may call it.
+        self.on_fetched: Callable[[], None] | None = None
         if redis is not None:
             redis.writer.rewrite = self._copy_for_rewrite
 
@@ -210,6 +213,7 @@ class TieredStore:
             fetch.remote = self._lookups.submit(
                 self.redis.get_prefix, rest, fetch.arrived, fetch.cancel, fetch.copy_arrived
             )
+            fetch.remote.add_done_callback(self._fetched)
         return fetch
 
     def fetch_tail(
@@ -226,6 +230,7 @@ class TieredStore:
         if use_redis:
             assert self._lookups is not None
             fetch.remote = self._lookups.submit(self._fetch_tail, fetch, page_hashes, first_needed, beyond, True)
+            fetch.remote.add_done_callback(self._fetched)
         else:
             self._fetch_tail(fetch, page_hashes, first_needed, beyond, False)
         return fetch
@@ -258,6 +263,10 @@ class TieredStore:
         rest = window[len(fetch.host) :]
         if rest and redis is not None:
             redis.get_prefix(rest, fetch.arrived, fetch.cancel)
+
+    def _fetched(self, _: Future[None]) -> None:
+        if self.on_fetched is not None:
+            self.on_fetched()
 
     def fetch_cost_s(self, num_pages: int) -> float:
         """Expected seconds for a lookup of `num_pages` pages (as if all came from Redis)."""

@@ -22,6 +22,7 @@ import pytest
 from engine.engine_config import EngineConfig
 from engine.process import wire
 from engine.process.client import EngineClient
+from engine.process.fetch_wake import FetchWake
 from engine.process.main import LoadSpec
 from engine.request import EngineClosed, FinishReason, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -227,3 +228,33 @@ def test_thread_placement() -> None:
     assert placement(0, 2) == (2, 1)
     assert placement(0, 16) == (14, 2)
     assert placement(4, 16) == (4, 2) and placement(1, 2) == (1, 1)
+
+
+def test_a_lookups_end_wakes_the_loops_wait() -> None:
+    """`FetchWake`: the store's `on_fetched`, called from another thread, ends the loop's wait
+    (it returns True, long before its timeout); a wait with nothing to end it returns False; after
+    `close` the hook is gone and a late call sends nothing."""
+    import zmq
+
+    class Store:
+        on_fetched: object = None
+
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind("inproc://test-fetch-wake-inbox")
+    store = Store()
+    wake = FetchWake(ctx, inbox, store)
+    try:
+        assert store.on_fetched == wake.fetched
+        assert wake.wait(0) is False
+        threading.Timer(0.05, wake.fetched).start()
+        assert wake.wait(60_000) is True  # woken by the call, not by the timeout
+        wake.fetched()
+        wake.fetched()
+        assert wake.wait(0) is True and wake.wait(0) is False  # every pending wake-up consumed at once
+    finally:
+        wake.close()
+    assert store.on_fetched is None
+    wake.fetched()  # (a lookup ending after the loop stopped) no error, nothing sent
+    inbox.close(linger=0)
+    ctx.term()

@@ -105,6 +105,27 @@ def test_fresh_process_resumes_4k_prompt_from_redis(
     assert _err(torch.load(out + ".logits.pt"), ref) < 1e-5
 
 
+def test_a_lookups_end_wakes_the_engine(tiny: tuple[TinyModel, str], kv_redis: tuple[str, str]) -> None:
+    """A Redis lookup ends on the lookup thread and wakes the engine's loop through the store's
+    `on_fetched` (the engine process's loop through `FetchWake`), which then admits its request
+    instead of at its next poll: once per looked-up prompt, whatever the lookup found."""
+    url, prefix = kv_redis
+    e = _engine(tiny, url, prefix)
+    assert e.store is not None and e.store.on_fetched == e._wake.set
+    calls: list[int] = []
+
+    def fetched() -> None:
+        calls.append(1)
+        e._wake.set()
+
+    e.store.on_fetched = fetched
+    for seed in range(3):  # two full pages each, in neither the pool nor Redis: looked up, missed
+        _, cached, _ = first_logits(e, _prompt(tiny, 40, seed=300 + seed))
+        assert cached == 0
+    assert len(calls) == 3
+    e.shutdown()
+
+
 def _damage(kind: str, value: bytes, codec: PageCodec, page_hash: bytes) -> bytes:
     if kind == "flipped":
         b = bytearray(value)

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.process.fetch_wake import FetchWake
+
 log = logging.getLogger("longctx.engine")
 
 METRICS_INTERVAL_S = 0.25
@@ -162,6 +164,9 @@ class CoreLoop:
         self.stopping = False
         self._metrics_at = 0.0
         self._parent_at = 0.0
+        store = getattr(engine, "store", None)  # with Redis, lookups end on another thread: they wake the loop
+        redis = store is not None and store.redis is not None
+        self.fetch_wake = FetchWake(pull.context, pull, store) if redis else None
 
     def _add(self, msg: Any) -> None:
         from engine.request import FinishReason, RequestOutput
@@ -256,8 +261,11 @@ class CoreLoop:
                     log.exception("engine step failed")
                     e._fail_all(f"engine error: {err}")
                     stepped = False
-                if not stepped and e.scheduler.loading:
-                    time.sleep(0.001)
+                if not stepped and e.scheduler.loading:  # a request waits for pages from a tier
+                    if self.fetch_wake is not None:
+                        self.fetch_wake.wait(2)  # until its lookup ends or a message comes in
+                    else:
+                        time.sleep(0.001)
             self._send()
             if self.compiler is not None and self.compiler.ready():  # one bucket per iteration
                 self.compiler.switch_in()
@@ -391,9 +399,12 @@ def main(argv: list[str]) -> int:
     # Commit waits only have something to wait for with a Redis tier (without one the loop answers them at once).
     # A sharded engine's commit wait is a collective: it runs on the loop's thread, between steps.
     waiter = _CommitWaiter(engine, ctx, out_addr) if config.kv_redis_url and not parallel.distributed else None
+    loop = CoreLoop(engine, pull, push, grammar, parent, waiter, compiler)
     try:
-        CoreLoop(engine, pull, push, grammar, parent, waiter, compiler).run()
+        loop.run()
     finally:
+        if loop.fetch_wake is not None:
+            loop.fetch_wake.close()
         if waiter is not None:
             waiter.close()
         if compiler is not None:
