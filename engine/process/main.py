@@ -147,13 +147,14 @@ class CoreLoop:
 
     def __init__(
         self, engine: Any, pull: Any, push: Any, grammar: Any, parent: int, waiter: _CommitWaiter | None = None,
-        compiler: Any = None,
+        compiler: Any = None, fetch_wake: FetchWake | None = None,
     ):  # fmt: skip
         from engine.process import wire
 
         self.engine = engine
         self.compiler = compiler  # a BackgroundCompile still switching buckets in, or None
         self.waiter = waiter
+        self.fetch_wake = fetch_wake  # with a Redis tier: a lookup's end ends the loop's wait
         self.pull, self.push = pull, push
         self.grammar = grammar  # compile(key) -> matcher, or None
         self.parent = parent
@@ -164,9 +165,6 @@ class CoreLoop:
         self.stopping = False
         self._metrics_at = 0.0
         self._parent_at = 0.0
-        store = getattr(engine, "store", None)  # with Redis, lookups end on another thread: they wake the loop
-        redis = store is not None and store.redis is not None
-        self.fetch_wake = FetchWake(pull.context, pull, store) if redis else None
 
     def _add(self, msg: Any) -> None:
         from engine.request import FinishReason, RequestOutput
@@ -399,12 +397,14 @@ def main(argv: list[str]) -> int:
     # Commit waits only have something to wait for with a Redis tier (without one the loop answers them at once).
     # A sharded engine's commit wait is a collective: it runs on the loop's thread, between steps.
     waiter = _CommitWaiter(engine, ctx, out_addr) if config.kv_redis_url and not parallel.distributed else None
-    loop = CoreLoop(engine, pull, push, grammar, parent, waiter, compiler)
+    # With a Redis tier, lookups end on another thread: they wake the loop's wait.
+    store = engine.store
+    wake = FetchWake(ctx, pull, store) if store is not None and store.redis is not None else None
     try:
-        loop.run()
+        CoreLoop(engine, pull, push, grammar, parent, waiter, compiler, wake).run()
     finally:
-        if loop.fetch_wake is not None:
-            loop.fetch_wake.close()
+        if wake is not None:
+            wake.close()
         if waiter is not None:
             waiter.close()
         if compiler is not None:
