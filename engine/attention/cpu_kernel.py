@@ -85,6 +85,11 @@ def cpu_flags() -> str:
     return platform.machine()
 
 
+def cpu_flag_set() -> frozenset[str]:
+    """`cpu_flags()` as a set of names (`avx512f`, `avx512_bf16`, ...)."""
+    return frozenset(cpu_flags().split())
+
+
 @functools.cache
 def compiler_version(cxx: str) -> str:
     try:

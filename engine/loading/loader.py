@@ -44,7 +44,7 @@ def cpu_has_fast_bf16() -> bool:
     """bf16 runs faster than float32 on this CPU: AVX512-BF16 or AMX (bf16 matmuls several times
     faster than float32), or AVX-512 and a C++ compiler to build `linear_bf16.cpp` (bf16 weights
     computed in float32: half the bytes per decode step, prefill at float32's speed)."""
-    flags = set(cpu_kernel.cpu_flags().split())
+    flags = cpu_kernel.cpu_flag_set()
     return bool(flags & {"avx512_bf16", "amx_bf16"}) or (bf16_emulated() and cpu_kernel.compiler() is not None)
 
 
@@ -56,7 +56,7 @@ def int4_wants_bf16(device: torch.device) -> bool:
     float32, 19.9 and 242 in bf16)."""
     if device.type != "cpu" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    return "avx512f" not in set(cpu_kernel.cpu_flags().split())
+    return "avx512f" not in cpu_kernel.cpu_flag_set()
 
 
 def resolve_dtype(

@@ -31,7 +31,7 @@ def bf16_emulated() -> bool:
     """Whether this CPU has AVX-512 but neither AVX512-BF16 nor AMX: oneDNN then emulates bf16."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
-    flags = set(cpu_kernel.cpu_flags().split())
+    flags = cpu_kernel.cpu_flag_set()
     return "avx512f" in flags and not flags & {"avx512_bf16", "amx_bf16"}
 
 
