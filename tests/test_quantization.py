@@ -317,3 +317,54 @@ def test_calibrated_int4_codes_are_local_to_their_groups() -> None:
     q2, sz2 = int4_codes(w[:, k // 2 :], group, torch.bfloat16, half)
     assert torch.equal(q[:, k // 2 :], q2) and torch.equal(sz[k // 2 // group :], sz2)
     assert cal.columns("w.weight", ((100, 256),), group) is None  # not on group boundaries
+
+
+def test_int4_calibration_is_stored_and_read_back(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A calibrated int4 load stores its statistics (`engine/loading/calibration_cache.py`); the
+    next load of the same checkpoint reads them instead of running the model, and quantizes to
+    the same codes; a replaced weight file, another group or a damaged file calibrates again."""
+    import os
+
+    import engine.loading.calibration_cache as calibration_cache
+    import engine.loading.loader as loader
+
+    monkeypatch.setattr(calibration_cache, "longctx_home", lambda: tmp_path)
+    runs: list[int] = []
+    collect = loader.collect
+
+    def counted(*args: Any) -> Any:
+        runs.append(1)
+        return collect(*args)
+
+    monkeypatch.setattr(loader, "collect", counted)
+
+    def load_int4(group: int = 64) -> Any:
+        return load(str(tiny_model), dtype="float32", progress=False, quantization="int4", group_size=group)
+
+    first = load_int4()
+    stored = sorted((tmp_path / "calibration").glob("*.safetensors"))
+    assert len(runs) == 1 and len(stored) == 1
+    again = load_int4()
+    assert len(runs) == 1, "the stored calibration was not read"
+    assert again.stats.fingerprint == first.stats.fingerprint  # the same codes
+    assert "calibrate" in again.stats.phases
+
+    load_int4(group=32)
+    assert len(runs) == 2 and len(list((tmp_path / "calibration").glob("*.safetensors"))) == 2
+
+    weights = tiny_model / "model.safetensors"
+    st = weights.stat()
+    try:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # the file replaced
+        assert load_int4().stats.fingerprint == first.stats.fingerprint
+        assert len(runs) == 3
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    stored[0].write_bytes(b"not a safetensors file")
+    with caplog.at_level("WARNING", logger="longctx.calibration_cache"):
+        assert load_int4().stats.fingerprint == first.stats.fingerprint
+    assert len(runs) == 4 and "cannot read the int4 calibration" in caplog.text
+    assert calibration_cache.CalibrationCache(tmp_path / "calibration").get(stored[0].stem) is not None  # rewritten

@@ -13,7 +13,8 @@ import torch
 
 from engine.attention import cpu_kernel
 from engine.distributed.parallel import SINGLE, ParallelContext
-from engine.loading.calibrate import collect, text_ids
+from engine.loading.calibrate import Calibration, collect, text_ids
+from engine.loading.calibration_cache import CalibrationCache, cache_key
 from engine.loading.gguf_cache import GGUFCache, TeeSource
 from engine.loading.model_source import ModelPath, resolve_model
 from engine.loading.overrides import apply_overrides, fingerprint
@@ -46,6 +47,34 @@ def cpu_has_fast_bf16() -> bool:
     computed in float32: half the bytes per decode step, prefill at float32's speed)."""
     flags = cpu_kernel.cpu_flag_set()
     return bool(flags & {"avx512_bf16", "amx_bf16"}) or (bf16_emulated() and cpu_kernel.compiler() is not None)
+
+
+def _calibration(
+    source: ModelPath,
+    config: ModelConfig,
+    tensors: TensorSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: QuantConfig,
+    tokenizer: Tokenizer,
+    hf_overrides: dict[str, Any] | None,
+    progress: bool | None,
+) -> Calibration:
+    """int4's calibration statistics: from `$LONGCTX_HOME/calibration` when this model, dtype,
+    group and text were calibrated before (`engine.loading.calibration_cache`), else computed
+    over the unquantized model (loaded for it, then dropped) and stored there."""
+    ids = text_ids(tokenizer)
+    cache = CalibrationCache()
+    key = cache_key(source, dtype, quant.group_size, ids, hf_overrides)
+    found = cache.get(key)
+    if found is not None:
+        log.info("int4 calibration read from %s (%d tokens)", cache.path(key), found.tokens)
+        return found
+    float_model, _ = load_model(config, tensors, dtype, device, progress=progress)
+    calibration = collect(float_model, ids, quant.group_size)
+    del float_model
+    cache.put(key, calibration)
+    return calibration
 
 
 def int4_wants_bf16(device: torch.device) -> bool:
@@ -207,9 +236,7 @@ def load(
             before_tokenizer()
             before_tokenizer = None
         tokenizer = load_tokenizer(source, config.eos_token_ids, gguf_cache)
-        float_model, _ = load_model(config, tensors, torch_dtype, dev, progress=progress)
-        calibration = collect(float_model, text_ids(tokenizer), quant.group_size)
-        del float_model
+        calibration = _calibration(source, config, tensors, torch_dtype, dev, quant, tokenizer, hf_overrides, progress)
         t_calibrate = time.perf_counter() - t1
     model, stats = load_model(
         config,
