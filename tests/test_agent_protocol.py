@@ -1,8 +1,9 @@
-"""What agent harnesses send, over one `longctx serve` on the demo model with the YaRN override to
-32k (`--hf-overrides`): the Codex CLI's recorded first request (`tests/data/codex/`) through raw
-HTTP and the `openai` client, and its next turn re-sent whole (`store: false`); namespace, custom
-(Lark and regex, OpenAI's documented examples) and hosted tools; compaction; the SSE content type
-of every streaming route; WebSocket mode (`api.ws`) as the Open Responses suite drives it."""
+"""What agent harnesses send, over `longctx serve` with the YaRN override to 32k
+(`--hf-overrides`): the Codex CLI's recorded first request (`tests/data/codex/`) through raw HTTP
+and the `openai` client, and its next turn re-sent whole (`store: false`), on the tiny Llama with
+the demo tokenizer; on the demo model: namespace, custom (Lark and regex, OpenAI's documented
+examples) and hosted tools; compaction; the SSE content type of every streaming route; WebSocket
+mode (`api.ws`) as the Open Responses suite drives it."""
 
 from __future__ import annotations
 
@@ -59,6 +60,15 @@ def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=TEST_KEY, max_retries=0, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def codex_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The same arguments on the tiny Llama with the demo tokenizer: the Codex request's checks are
+    of the protocol (its ~10k tokens read as the demo model reads them), not of what the model
+    answers, and its prefill takes a second there instead of one to two minutes on one thread."""
+    with keyed_server(tiny_model, *ARGS, log_dir=tmp_path_factory.mktemp("codex-logs")) as s:
+        yield s
+
+
 def codex_body() -> dict[str, Any]:
     body: dict[str, Any] = json.loads((DATA / "first-request.json").read_text())
     return body
@@ -83,7 +93,8 @@ def sse(response: httpx.Response) -> list[dict[str, Any]]:
     return events
 
 
-def test_codex_first_request_over_raw_http_then_resent_whole(server: Server) -> None:
+def test_codex_first_request_over_raw_http_then_resent_whole(codex_server: Server) -> None:
+    server = codex_server
     body = codex_body()
     with httpx.stream("POST", server.url + "/v1/responses", json=body, headers=codex_headers(), timeout=300) as r:
         assert r.status_code == 200, r.read()
@@ -106,7 +117,8 @@ def test_codex_first_request_over_raw_http_then_resent_whole(server: Server) -> 
     assert usage["input_tokens_details"]["cached_tokens"] >= 0.95 * usage["input_tokens"], usage
 
 
-def test_codex_first_request_through_the_openai_client(client: openai.OpenAI) -> None:
+def test_codex_first_request_through_the_openai_client(codex_server: Server) -> None:
+    client = openai.OpenAI(base_url=codex_server.url + "/v1", api_key=TEST_KEY, max_retries=0, timeout=300)
     body = codex_body()
     extra = {k: body.pop(k) for k in ("client_metadata",)}  # fields this client version does not name
     headers = {k: v for k, v in codex_headers().items() if k.startswith(("x-codex", "session", "thread", "originator"))}
