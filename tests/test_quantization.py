@@ -368,3 +368,26 @@ def test_int4_calibration_is_stored_and_read_back(
         assert load_int4().stats.fingerprint == first.stats.fingerprint
     assert len(runs) == 4 and "cannot read the int4 calibration" in caplog.text
     assert calibration_cache.CalibrationCache(tmp_path / "calibration").get(stored[0].stem) is not None  # rewritten
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_lazy_batched_gptq_equals_the_column_by_column_update(group: int) -> None:
+    """`compensated_codes` moves a block's errors onto later columns by one product: the codes of
+    the plain update (each column's error onto every later column at once), but for rounding ties."""
+    from engine.model.int4_calibrated import compensated_codes, inverse_factors
+
+    gen = torch.Generator().manual_seed(group)
+    n, groups = 256, 512 // group
+    g = torch.randn(n, groups, group, generator=gen)
+    x = torch.randn(2048, groups, group, generator=gen) * torch.rand(groups, group, generator=gen) * 3
+    f = inverse_factors(torch.einsum("tgi,tgj->gij", x, x)).float()
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale, zero = (hi - lo) / 15, lo + 8 * (hi - lo) / 15
+    want, w = torch.empty_like(g), g.clone()
+    for i in range(group):
+        c = ((w[:, :, i] - zero) / scale + 8).round().clamp(0, 15)
+        want[:, :, i] = c
+        err = (w[:, :, i] - ((c - 8) * scale + zero)) / f[:, i, i]
+        w[:, :, i:] -= err[..., None] * f[None, :, i, i:]
+    got = compensated_codes(g, scale, zero, f)
+    assert (got != want).float().mean() < 1e-4
