@@ -11,11 +11,11 @@ that computed it, so it is kept under
 
 with the key a hash of: each weight file's path, size and mtime (as `gguf_cache` names a GGUF's
 conversions: a replaced file gets a new key), the `--hf-overrides`, the dtype, the group, the
-calibration text and its token ids (the tokenizer's reading of it), and the source of the calibration pass and of the
-model it runs (`engine/loading/calibrate.py`, `engine/model/`, the torch attention backend),
-with torch's version. A file is written under a temporary name and renamed (two processes
-calibrating at once both write; one rename wins); one that cannot be written, or read back, is
-logged and the load goes on (calibrating again).
+calibration text and its token ids (the tokenizer's reading of it), and the source of the
+calibration pass and of what it runs (`engine/loading/calibrate.py`, `engine/model/`,
+`engine/attention/` with its C++ kernels), with torch's version. A file is written under a
+temporary name and renamed (two processes calibrating at once both write; one rename wins); one
+that cannot be written, or read back, is logged and the load goes on (calibrating again).
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from engine.loading.model_source import ModelPath, longctx_home
 
 log = logging.getLogger("longctx.calibration_cache")
 
+_ENGINE = Path(__file__).parents[1]
 _CODE = (
     Path(__file__).with_name("calibrate.py"),
-    *sorted((Path(__file__).parents[1] / "model").glob("*.py")),
-    Path(__file__).parents[1] / "attention" / "torch_paged.py",
+    *sorted((_ENGINE / "model").glob("*.py")),
+    *sorted(p for p in (_ENGINE / "attention").iterdir() if p.suffix in (".py", ".cpp", ".h")),
 )
 
 
