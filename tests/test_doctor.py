@@ -33,6 +33,7 @@ from api.doctor.weights_stage import TensorStats, _sibling_outliers
 from engine.loading.gguf_file import unpermute_qk
 from engine.loading.loader import LoadedModel, load
 from engine.model.rope import RotaryEmbedding
+from tests.hf_demo import transformers_demo
 from tests.tiny_models import build_tiny, one_thread
 
 pytestmark = pytest.mark.slow
@@ -256,7 +257,7 @@ def test_one_layer_far_off_its_siblings_warns() -> None:
 
 def test_demo_model(demo_float32: LoadedModel, demo_gguf: Path) -> None:
     """The demo model against transformers' own GGUF loading, through the serving path, and at length."""
-    hf = load_transformers(demo_float32.source, torch.float32)
+    hf = transformers_demo(demo_gguf)  # transformers' own load of the GGUF, kept (`tests/hf_demo.py`)
     options = DoctorOptions(stages=("reference", "activations", "generation", "length"), max_length=256)
     report = run_stages(demo_float32, options, reference_model=hf)
     for st in report.stages:

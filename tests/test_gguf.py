@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -33,6 +32,7 @@ from engine.model_runner import Chunk, ModelRunner
 from kvstore.block_pool import BlockPool
 from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
+from tests.hf_demo import transformers_demo
 from tests.tiny_models import engine_greedy
 
 TINY: dict[str, Any] = dict(
@@ -265,9 +265,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def demo_hf(demo_gguf: Path) -> Any:
-    """transformers' own GGUF load of the demo model (about 17 s), once per module."""
-    model = AutoModelForCausalLM.from_pretrained(str(demo_gguf.parent), gguf_file=demo_gguf.name, dtype=torch.float32)
-    return model.eval()
+    """transformers' own GGUF load of the demo model, once per module (kept: `tests/hf_demo.py`)."""
+    return transformers_demo(demo_gguf)
 
 
 @pytest.mark.slow
