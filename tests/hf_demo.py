@@ -1,12 +1,12 @@
 """transformers' own load of the demo GGUF (its dequantization and its mapping to Llama), the
 reference several test modules compare against, kept as a checkpoint so later loads read it back
-instead of parsing the GGUF again (28 s on one AVX2 core, about 17 s elsewhere; reading back:
-about 1 s).
+instead of parsing the GGUF again (22-28 s on one AVX2 core, about 17 s elsewhere; reading back:
+about 0.3 s).
 
 The checkpoint lives under `$LONGCTX_HOME/test-references/`, named by the GGUF's size and mtime
 and the transformers and torch versions: it holds exactly what transformers made of the file
-(`save_pretrained` of that model, float32), so the reference stays independent of our own
-conversion (`engine/loading/gguf_cache.py`)."""
+(that model's float32 tensors and its config, without the GGUF's `quantization_config` note), so
+the reference stays independent of our own conversion (`engine/loading/gguf_cache.py`)."""
 
 from __future__ import annotations
 

@@ -55,9 +55,13 @@ def server(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield s
 
 
+def openai_client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=TEST_KEY, max_retries=0, timeout=300)
+
+
 @pytest.fixture
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=TEST_KEY, max_retries=0, timeout=300)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +98,8 @@ def sse(response: httpx.Response) -> list[dict[str, Any]]:
 
 
 def test_codex_first_request_over_raw_http_then_resent_whole(codex_server: Server) -> None:
-    server = codex_server
     body = codex_body()
-    with httpx.stream("POST", server.url + "/v1/responses", json=body, headers=codex_headers(), timeout=300) as r:
+    with httpx.stream("POST", codex_server.url + "/v1/responses", json=body, headers=codex_headers(), timeout=300) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse(r)
@@ -111,14 +114,14 @@ def test_codex_first_request_over_raw_http_then_resent_whole(codex_server: Serve
     # the next turn, as `codex exec resume` sends it: the whole history again, store false
     body["input"] += [*final["output"], {"type": "message", "role": "user",
                                          "content": [{"type": "input_text", "text": "And then?"}]}]  # fmt: skip
-    again = httpx.post(server.url + "/v1/responses", json=body | {"stream": False}, headers=AUTH, timeout=300)
+    again = httpx.post(codex_server.url + "/v1/responses", json=body | {"stream": False}, headers=AUTH, timeout=300)
     assert again.status_code == 200, again.text
     usage = again.json()["usage"]
     assert usage["input_tokens_details"]["cached_tokens"] >= 0.95 * usage["input_tokens"], usage
 
 
 def test_codex_first_request_through_the_openai_client(codex_server: Server) -> None:
-    client = openai.OpenAI(base_url=codex_server.url + "/v1", api_key=TEST_KEY, max_retries=0, timeout=300)
+    client = openai_client(codex_server)
     body = codex_body()
     extra = {k: body.pop(k) for k in ("client_metadata",)}  # fields this client version does not name
     headers = {k: v for k, v in codex_headers().items() if k.startswith(("x-codex", "session", "thread", "originator"))}
