@@ -224,6 +224,7 @@ class BackgroundWorkers:
             writer = EventWriter(self.store_sink(resp_id), first=seen[-1] + 1 if seen else 0, extra=attempt)
             plan.assembler.writer = writer
             turn = Turn(svc.engine, self.store, plan, svc.config)
+            await self.store.responses.save(tenant, plan.response)  # retrieved `in_progress` while it runs
             turn.submit()
         except BaseException:
             await undo.run()

@@ -42,7 +42,18 @@ def test_background_response_runs_and_streams_from_the_store(run: Run) -> None:
     async def body(svc: SessionService) -> None:
         queued = await whole(svc.create(TENANT, {**QUESTION, "background": True}))
         assert queued.status == "queued" and queued.background
-        events = await with_workers(svc, collect(svc.stream_events(TENANT, queued.id)))
+        running: list[str] = []  # its status as retrieved when its first text arrived
+
+        async def read() -> list[dict[str, Any]]:
+            events = []
+            async for event in svc.stream_events(TENANT, queued.id):
+                if event["type"] == "response.output_text.delta" and not running:
+                    running.append((await svc.retrieve(TENANT, queued.id)).status)
+                events.append(event)
+            return events
+
+        events = await with_workers(svc, read())
+        assert running == ["in_progress"]
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
         assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
         done = await svc.retrieve(TENANT, queued.id)
