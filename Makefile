@@ -45,9 +45,16 @@ compiler: $(STAMP)
 # Two pytest workers (pytest-xdist), one test module at a time each (its module-scoped servers
 # start once): model loads, server starts and subprocesses of one overlap the other's work. The
 # modules go out longest first (tests/module_costs.py), not by their number of tests.
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): the
+# suite starts hundreds of Python processes (servers, engine processes, ranks, the CLI), each of
+# which would compile the project's modules again. Only the plugins the tests use are loaded:
+# the other installed ones (schemathesis', faker's, anyio's) cost each worker seconds of imports
+# and assertion rewriting before it collects.
 PYTEST_WORKERS ?= 2
+PYTEST_ENV := PYTHONDONTWRITEBYTECODE= PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+PYTEST_PLUGINS := -p xdist.plugin -p _hypothesis_pytestplugin
 pytest: $(STAMP) pull redis compiler
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(PYTEST_ENV) $(PY) -m pytest $(PYTEST_PLUGINS) -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 test: lint typecheck pytest
 
