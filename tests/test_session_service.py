@@ -280,10 +280,10 @@ def test_lease_renewed_while_generating(engine: Engine, target: tuple[str, str],
     """A turn generating for longer than the lease lives still commits: it renews the lease. The
     lease lives a quarter of what the same turn took unstored here, so the turn outlives it on any
     machine."""
-    # a schema that forces a long reply: 40 numbers
-    numbers = {"type": "array", "items": {"type": "integer"}, "minItems": 40, "maxItems": 40}
+    # a schema that forces a long reply: 24 numbers
+    numbers = {"type": "array", "items": {"type": "integer"}, "minItems": 24, "maxItems": 24}
     schema = {"type": "object", "properties": {"n": numbers}, "required": ["n"]}
-    ask = {"input": "Forty numbers, please.", "text": {"format": {"type": "json_schema", "name": "numbers",
+    ask = {"input": "Twenty-four numbers, please.", "text": {"format": {"type": "json_schema", "name": "numbers",
            "schema": schema}}, "temperature": 0, "max_output_tokens": 200}  # fmt: skip
 
     async def turn(lease_ttl_ms: int, **extra: Any) -> tuple[float, int]:
@@ -298,7 +298,7 @@ def test_lease_renewed_while_generating(engine: Engine, target: tuple[str, str],
             start = time.monotonic()
             r = await whole(svc.create(TENANT, {**ask, **({"conversation": conv} if conv else extra)}))
             took = time.monotonic() - start
-            assert r.status == "completed" and r.usage.output_tokens >= 80  # type: ignore[union-attr]
+            assert r.status == "completed" and r.usage.output_tokens >= 48  # type: ignore[union-attr]
             return took, len((await store.conversations.load(TENANT, conv)).items) if conv else 0
         finally:
             await store.close()
