@@ -370,6 +370,22 @@ def test_int4_calibration_is_stored_and_read_back(
     assert calibration_cache.CalibrationCache(tmp_path / "calibration").get(stored[0].stem) is not None  # rewritten
 
 
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_search_in_blocks_of_rows_equals_the_whole(group: int) -> None:
+    """The clip and least-squares search runs on cache-sized blocks of rows (a weight's rows are
+    searched independently): the codes, scales and zeros of searching the whole at once, exactly."""
+    from engine.model import quant
+
+    torch.manual_seed(0)
+    rows = 3 * quant._SEARCH_ELEMENTS // (576 // group * group) + 5  # three blocks and a part
+    g = 0.02 * torch.randn(rows, 576 // group, group)
+    importance = torch.rand(576 // group, group) + 0.1
+    for args in ((), (importance, (1.0, 0.9, 0.8), (0.9,), 2)):
+        blocks = quant._search_int4(g, torch.bfloat16, *args)
+        whole = quant._search_int4_block(g, torch.bfloat16, *(args or (None, quant.CLIP_RATIOS, (), quant.LSQ_ROUNDS)))
+        assert all(torch.equal(a, b) for a, b in zip(blocks, whole, strict=True))
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_lazy_batched_gptq_equals_the_column_by_column_update(group: int) -> None:
     """`compensated_codes` moves a block's errors onto later columns by one product: the codes of

@@ -142,6 +142,12 @@ CLIP_RATIOS = (0.9, 0.8)
 LSQ_ROUNDS = 3
 
 
+# Elements of a weight searched at once: every candidate of the search makes several passes over
+# its rows, which stay in a core's cache at this size (0.5 MB of float32) instead of streaming
+# from memory (a [1536, 4, 128] weight at one thread: 141 ms whole, 37 ms in 128k-element blocks).
+_SEARCH_ELEMENTS = 1 << 17
+
+
 def _search_int4(
     g: torch.Tensor,
     dtype: torch.dtype,
@@ -154,7 +160,24 @@ def _search_int4(
 
     importance [G, group]: each column's weight in the error (the calibration's mean squared
     input, `int4_calibrated`); uniform when None. one_sided: shrink factors applied to one end of
-    the range only."""
+    the range only. Each group is searched on its own, so blocks of rows are searched one after
+    another (`_SEARCH_ELEMENTS`), with the same result."""
+    rows = max(1, _SEARCH_ELEMENTS // max(1, g.shape[1] * g.shape[2]))
+    if g.shape[0] <= rows:
+        return _search_int4_block(g, dtype, importance, clips, one_sided, rounds)
+    parts = [_search_int4_block(b, dtype, importance, clips, one_sided, rounds) for b in g.split(rows)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+
+
+def _search_int4_block(
+    g: torch.Tensor,
+    dtype: torch.dtype,
+    importance: torch.Tensor | None,
+    clips: tuple[float, ...],
+    one_sided: tuple[float, ...],
+    rounds: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_search_int4` on rows that fit in cache."""
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [n, G]
     hw = torch.ones(g.shape[1:], dtype=g.dtype, device=g.device) if importance is None else importance
 
