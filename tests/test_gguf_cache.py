@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from engine.loading.gguf_cache import GGUFCache, TeeSource, _umask
-from engine.loading.loader import _cache_weights, load_tokenizer, open_source
+from engine.loading.loader import _cache_weights, converted_for_quantizing, load_tokenizer, open_source
 from engine.loading.model_source import resolve_model
 from engine.loading.weights import SafetensorsSource, load_model
+from engine.model.quant import QuantConfig
 from tests.test_gguf import tiny_gguf
 
 
@@ -59,6 +60,32 @@ def test_a_float32_cache_is_converted_once_to_the_dtype_loaded(tmp_path: Path) -
     assert isinstance(second, SafetensorsSource) and second.directory == cache.weights_dir(torch.bfloat16)
     assert print32 == print1 == print2
     _same_parameters(model1, model2)
+
+
+@pytest.mark.parametrize(("mode", "group"), [("int8", 32), ("int4", 64)])
+def test_a_quantized_load_reads_the_float32_conversion(tmp_path: Path, mode: str, group: int) -> None:
+    """int8, and int4 at another group than the GGUF's own, quantize the file's float32
+    conversion when it is cached (not the file: parsing the demo model's takes seconds): the
+    same quantized weights and fingerprint as from the file. int4 at group 32 takes the file's
+    blocks, so it reads the file; without a conversion there is nothing to read."""
+    path, _ = tiny_gguf(tmp_path, "llama-tied-llama3")
+    source, quant = resolve_model(str(path)), QuantConfig(mode, group)
+    cache = GGUFCache(source.path)
+    assert converted_for_quantizing(cache, quant) is None  # nothing converted yet
+    _load(path, torch.float32)
+    converted = converted_for_quantizing(cache, quant)
+    assert converted is not None and isinstance(converted[1], SafetensorsSource)
+    assert converted[1].directory == cache.weights_dir(torch.float32)
+    assert converted_for_quantizing(cache, QuantConfig("int4", 32)) is None
+    assert converted_for_quantizing(cache, QuantConfig("none")) is None
+    config, from_file = open_source(source, None)
+    model1, stats1 = load_model(config, from_file, torch.float32, progress=False, quantization=quant)
+    model2, stats2 = load_model(converted[0], converted[1], torch.float32, progress=False, quantization=quant)
+    assert stats1.fingerprint == stats2.fingerprint
+    state1, state2 = model1.state_dict(), model2.state_dict()
+    assert state1.keys() == state2.keys() and any(t.dtype in (torch.int8, torch.uint8) for t in state1.values())
+    for name, t in state1.items():
+        assert torch.equal(t, state2[name]), name
 
 
 def test_a_replaced_file_is_converted_again(tmp_path: Path) -> None:
