@@ -58,6 +58,10 @@ pytest: $(STAMP) pull redis compiler
 
 test: lint typecheck pytest
 
+# `make print-VAR`: a variable as make expands it (bench/suite_time.py runs pytest as above).
+print-%:
+	@echo '$($*)'
+
 # `make serve`: the HTTP server on the demo model. Without REDIS_URL it runs its own redis-server
 # (installed here if missing) under $LONGCTX_HOME/redis; `make serve REDIS_URL=redis://host:6379/0`
 # keeps conversations in that Redis instead. More flags: SERVE_ARGS="--dtype float32 ...".
