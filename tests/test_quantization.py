@@ -13,6 +13,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from bench.quant_accuracy import compare, held_bytes, perplexity, teacher_forced_logits, text_ids
+from engine.loading.gguf_cache import _umask
 from engine.loading.loader import load
 from engine.loading.weights import SafetensorsSource, load_model
 from engine.model.model import CausalLM
@@ -346,6 +347,7 @@ def test_int4_calibration_is_stored_and_read_back(
     first = load_int4()
     stored = sorted((tmp_path / "calibration").glob("*.safetensors"))
     assert len(runs) == 1 and len(stored) == 1
+    assert stored[0].stat().st_mode & 0o777 == 0o666 & ~_umask()  # as a plain write leaves it
     again = load_int4()
     assert len(runs) == 1, "the stored calibration was not read"
     assert again.stats.fingerprint == first.stats.fingerprint  # the same codes

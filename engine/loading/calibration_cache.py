@@ -31,6 +31,7 @@ import torch
 import xxhash
 
 from engine.loading.calibrate import CHUNK_TOKENS, TEXT_FILE, Calibration
+from engine.loading.gguf_cache import plain_permissions
 from engine.loading.model_source import ModelPath, longctx_home
 
 log = logging.getLogger("longctx.calibration_cache")
@@ -108,7 +109,7 @@ class CalibrationCache:
             try:
                 tensors = {name: t.contiguous() for name, t in calibration.hessians.items()}
                 save_file(tensors, tmp, metadata={"tokens": str(calibration.tokens), "tag": calibration.tag})
-                os.chmod(tmp, 0o644)
+                plain_permissions(Path(tmp))  # mkstemp makes it 0600: others load the same model
                 os.replace(tmp, path)
             finally:
                 if os.path.exists(tmp):

@@ -58,7 +58,7 @@ def _umask() -> int:
     return 0o022
 
 
-def _readable(path: Path) -> None:
+def plain_permissions(path: Path) -> None:
     """Permissions as a plain write would give (some writers create 0600 files): others on the
     machine load the same model."""
     umask = _umask()
@@ -109,7 +109,7 @@ class GGUFCache:
             tmp = Path(tempfile.mkdtemp(prefix=".part-", dir=self.dir))
             try:
                 write(tmp / target.name)
-                _readable(tmp / target.name)
+                plain_permissions(tmp / target.name)
                 if not target.exists():  # else another process cached it meanwhile
                     os.replace(tmp / target.name, target)
             finally:
