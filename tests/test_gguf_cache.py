@@ -71,13 +71,13 @@ def test_a_quantized_load_reads_the_float32_conversion(tmp_path: Path, mode: str
     path, _ = tiny_gguf(tmp_path, "llama-tied-llama3")
     source, quant = resolve_model(str(path)), QuantConfig(mode, group)
     cache = GGUFCache(source.path)
-    assert converted_for_quantizing(cache, quant) is None  # nothing converted yet
+    assert converted_for_quantizing(cache, cache.config(), quant) is None  # nothing converted yet
     _load(path, torch.float32)
-    converted = converted_for_quantizing(cache, quant)
+    converted = converted_for_quantizing(cache, cache.config(), quant)
     assert converted is not None and isinstance(converted[1], SafetensorsSource)
     assert converted[1].directory == cache.weights_dir(torch.float32)
-    assert converted_for_quantizing(cache, QuantConfig("int4", 32)) is None
-    assert converted_for_quantizing(cache, QuantConfig("none")) is None
+    assert converted_for_quantizing(cache, converted[0], QuantConfig("int4", 32)) is None
+    assert converted_for_quantizing(cache, converted[0], QuantConfig("none")) is None
     config, from_file = open_source(source, None)
     model1, stats1 = load_model(config, from_file, torch.float32, progress=False, quantization=quant)
     model2, stats2 = load_model(converted[0], converted[1], torch.float32, progress=False, quantization=quant)

@@ -137,16 +137,15 @@ def open_source(
 
 
 def converted_for_quantizing(
-    cache: GGUFCache | None, quant: QuantConfig
+    cache: GGUFCache | None, config: ModelConfig | None, quant: QuantConfig
 ) -> tuple[ModelConfig, SafetensorsSource] | None:
-    """A quantized load of a GGUF reads the file's float32 conversion when its cache has one: the
-    values dequantizing the file gives, without parsing it (the demo model's vocabulary alone
-    takes gguf's reader 2.5 s) or dequantizing it again. Not int4 at the GGUF's own group, which
-    takes the file's blocks as they are; never written (a quantized load's weights are not the
-    file's)."""
+    """A quantized load of a GGUF reads the file's float32 conversion when its cache has one
+    (`config`: the cache's, as `load` read it): the values dequantizing the file gives, without
+    parsing it (the demo model's vocabulary alone takes gguf's reader 2.5 s) or dequantizing it
+    again. Not int4 at the GGUF's own group, which takes the file's blocks as they are; never
+    written (a quantized load's weights are not the file's)."""
     if cache is None or not quant.enabled or (quant.mode == "int4" and quant.group_size == Int4Blocks.GROUP):
         return None
-    config = cache.config()
     if config is None or not cache.has_weights():
         return None
     found = _cached_weights(cache, torch.float32)
@@ -240,7 +239,7 @@ def load(
     config = gguf_cache.config() if gguf_cache is not None else None
     # The dtype decides which cached weights to read; it needs the config (cached or not).
     torch_dtype = resolve_dtype(dtype, config, source, dev, quant.mode) if config is not None else None
-    converted = None if parallel.distributed else converted_for_quantizing(gguf_cache, quant)
+    converted = None if parallel.distributed else converted_for_quantizing(gguf_cache, config, quant)
     config, tensors = converted if converted is not None else open_source(source, weights_cache, torch_dtype)
     if gguf_cache is not None and weights_cache is None and gguf_cache.config() is None:
         gguf_cache.save_config(config)
