@@ -3,10 +3,12 @@ K/V rows written in), `paged_prefill.cpp` (a prefill chunk) and `engine/model/li
 (bf16 linears in float32 where the CPU emulates bf16).
 
 The sources are compiled once with the C++ compiler inductor also uses (g++), against the
-installed torch's headers and libraries, into one `<build dir>/paged_decode-<hash>.so`. The hash
-covers the sources, the flags, the torch version, the compiler and the CPU's instruction sets
-(`-march=native`), so a change of any of them builds anew and a second start only loads the
-file. Without a compiler (or if the build fails) `load` returns None with one warning and
+installed torch's headers and libraries, into one `<build dir>/paged_decode-<hash>.so`, as one
+translation unit that includes every source: torch's headers, two thirds of a source's compile,
+are then parsed once instead of once per source (on a 2-core AVX2 EPYC 12 s instead of 29 s).
+The hash covers the sources, the flags, the way they are built, the torch version, the compiler
+and the CPU's instruction sets (`-march=native`), so a change of any of them builds anew and a
+second start only loads the file. Without a compiler (or if the build fails) `load` returns None with one warning and
 attention uses the SDPA path.
 """
 
@@ -98,11 +100,23 @@ def compiler_version(cxx: str) -> str:
         return ""
 
 
+# How the sources become one library (part of the build's hash).
+BUILD = "one translation unit"
+
+
+def unity_source(directory: Path) -> Path:
+    """A source file in `directory` that includes every one of `SOURCES` (each keeps its own
+    includes, found beside it; their file-local names do not collide)."""
+    unit = directory / "kernels.cpp"
+    unit.write_text("".join(f'#include "{p.resolve()}"\n' for p in SOURCES))
+    return unit
+
+
 def _command(cxx: str, out: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [cxx, *CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *map(str, SOURCES), "-o", str(out)]
+    cmd = [cxx, *CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", str(unity_source(out.parent)), "-o", str(out)]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
     for lib in cpp_extension.library_paths():
         cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
@@ -140,7 +154,7 @@ def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
         digest = hashlib.sha256()
         for path in (*SOURCES, *HEADERS):
             digest.update(path.read_bytes())
-        for part in (*CFLAGS, torch.__version__, compiler_version(cxx), cpu_flags()):
+        for part in (*CFLAGS, BUILD, torch.__version__, compiler_version(cxx), cpu_flags()):
             digest.update(part.encode())
         so = build_dir / f"paged_decode-{digest.hexdigest()[:16]}.so"
         try:
