@@ -330,16 +330,10 @@ def test_int4_calibration_is_stored_and_read_back(
 
     import engine.loading.calibration_cache as calibration_cache
     import engine.loading.loader as loader
+    from tests.load_caches import caches_in, counted
 
-    monkeypatch.setattr(calibration_cache, "longctx_home", lambda: tmp_path)
-    runs: list[int] = []
-    collect = loader.collect
-
-    def counted(*args: Any) -> Any:
-        runs.append(1)
-        return collect(*args)
-
-    monkeypatch.setattr(loader, "collect", counted)
+    caches_in(monkeypatch, tmp_path)
+    runs = counted(monkeypatch, loader, "collect")
 
     def load_int4(group: int = 64) -> Any:
         return load(str(tiny_model), dtype="float32", progress=False, quantization="int4", group_size=group)

@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
 
+from engine.loading import tensor_files
 from engine.loading.calibrate import CHUNK_TOKENS, TEXT_FILE, Calibration
-from engine.loading.gguf_cache import plain_permissions
 from engine.loading.model_source import ModelPath, longctx_home
 
 log = logging.getLogger("longctx.calibration_cache")
@@ -84,14 +82,11 @@ class CalibrationCache:
     def get(self, key: str) -> Calibration | None:
         """The calibration stored under `key`, or None (absent, or unreadable: logged)."""
         path = self.path(key)
-        if not path.exists():
-            return None
-        from safetensors import safe_open
-
         try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                hessians = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+            found = tensor_files.read(path)
+            if found is None:
+                return None
+            hessians, meta = found
             return Calibration(hessians=hessians, tokens=int(meta["tokens"]), tag=meta["tag"])
         except Exception as e:  # a damaged file costs a calibration, never the load
             log.warning("cannot read the int4 calibration %s (%s): calibrating again", path, e)
@@ -99,20 +94,8 @@ class CalibrationCache:
 
     def put(self, key: str, calibration: Calibration) -> None:
         """Store `calibration` under `key` (atomically; a failure is logged, not raised)."""
-        from safetensors.torch import save_file
-
-        path = self.path(key)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".part-", suffix=".safetensors", dir=self.root)
-            os.close(fd)
-            try:
-                tensors = {name: t.contiguous() for name, t in calibration.hessians.items()}
-                save_file(tensors, tmp, metadata={"tokens": str(calibration.tokens), "tag": calibration.tag})
-                plain_permissions(Path(tmp))  # mkstemp makes it 0600: others load the same model
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            meta = {"tokens": str(calibration.tokens), "tag": calibration.tag}
+            tensor_files.write(self.path(key), calibration.hessians, meta)
         except Exception as e:  # a cache that cannot be written must never fail the load
             log.warning("cannot store the int4 calibration in %s: %s", self.root, e)

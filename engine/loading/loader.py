@@ -16,6 +16,7 @@ from engine.distributed.parallel import SINGLE, ParallelContext
 from engine.loading.calibrate import Calibration, collect, text_ids
 from engine.loading.calibration_cache import CalibrationCache, cache_key
 from engine.loading.gguf_cache import GGUFCache, TeeSource
+from engine.loading.int4_cache import Int4CodesCache
 from engine.loading.model_source import ModelPath, resolve_model
 from engine.loading.overrides import apply_overrides, fingerprint
 from engine.loading.safetensors_file import CheckpointError
@@ -209,7 +210,8 @@ def load(
     Args:
         cache: a GGUF's conversions (config, tokenizer, dequantized weights) are read from, or
             written to, a cache beside the file (`engine.loading.gguf_cache`); sharded or
-            quantized loads cache only the config and tokenizer.
+            quantized loads cache only the config and tokenizer. And int4's codes of float
+            weights are kept under `$LONGCTX_HOME/int4` (`engine.loading.int4_cache`).
         on_tensor: called with each tensor as it is read (see `load_weights`).
         quantization: none, int8 or int4 (weight-only, every linear; `engine/model/quant.py`),
             applied while the weights stream in; int4 at group 32 takes GGUF Q4_0 / Q4_1
@@ -255,6 +257,7 @@ def load(
         tokenizer = load_tokenizer(source, config.eos_token_ids, gguf_cache)
         calibration = _calibration(source, config, tensors, torch_dtype, dev, quant, tokenizer, hf_overrides, progress)
         t_calibrate = time.perf_counter() - t1
+    coder = Int4CodesCache() if cache and quant.mode == "int4" else None
     model, stats = load_model(
         config,
         tensors,
@@ -265,9 +268,12 @@ def load(
         on_tensor=on_tensor,
         quantization=quant,
         calibration=calibration,
+        int4_coder=None if coder is None else coder.codes,
     )
     if calibration is not None:
         stats.phases["calibrate"] = t_calibrate
+    if coder is not None and coder.hits + coder.misses:
+        log.info("int4 codes: %d read from %s, %d chosen", coder.hits, coder.root, coder.misses)
     t1 = time.perf_counter()
     if weights_cache is not None:
         _cache_weights(weights_cache, tensors, torch_dtype, stats)

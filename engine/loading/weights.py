@@ -36,7 +36,7 @@ from engine.model.layers import OTHER_RANK, ShardIndex
 from engine.model.linear import convert_module, convert_tied_head
 from engine.model.model import CausalLM
 from engine.model.moe import SparseMoE
-from engine.model.quant import NONE, Int4Blocks, QuantConfig, int4_group, int8_scales
+from engine.model.quant import NONE, Int4Blocks, Int4Coder, QuantConfig, int4_group, int8_scales
 from engine.model.tp import SourceSlice
 
 if TYPE_CHECKING:
@@ -165,6 +165,7 @@ def load_weights(
     on_tensor: TensorCallback | None = None,
     convert: QuantConfig | None = None,
     calibration: Calibration | None = None,
+    int4_coder: Int4Coder | None = None,
 ) -> LoadStats:
     """Fill `model`'s parameters from `source`. Raises CheckpointError on any mismatch.
 
@@ -176,7 +177,9 @@ def load_weights(
     quantized module as soon as its last tensor is in, and its float weights dropped, so peak
     memory is the converted model plus the parameter being assembled (`engine/model/linear.py`).
     The fingerprint then includes the quantization. calibration: int4's statistics of each
-    linear's inputs (`engine/loading/calibrate.py`); without it int4 rounds every weight alike."""
+    linear's inputs (`engine/loading/calibrate.py`); without it int4 rounds every weight alike.
+    int4_coder: what chooses a float weight's int4 codes (default `int4_codes`; a cache of them,
+    `engine/loading/int4_cache.py`)."""
     stats = stats or LoadStats()
     t0 = time.perf_counter()
     params = dict(model.named_parameters())
@@ -197,7 +200,7 @@ def load_weights(
     )
     tied = model.config.tie_word_embeddings
     read_s = 0.0
-    converter = None if convert is None else _Converter(model, convert, shard_specs, slices, calibration)
+    converter = None if convert is None else _Converter(model, convert, shard_specs, slices, calibration, int4_coder)
     for t in tensors:
         target = mapping(t.name)
         if target == OTHER_RANK:
@@ -302,9 +305,10 @@ class _Converter:
         shard_specs: dict[str, dict[object, ShardIndex]],
         slices: dict[str, dict[object, SourceSlice]],
         calibration: Calibration | None = None,
+        coder: Int4Coder | None = None,
     ):
         self.model, self.quant, self.shard_specs, self.slices = model, quant, shard_specs, slices
-        self.calibration = calibration
+        self.calibration, self.coder = calibration, coder
         # The image encoder's linears (transformers' modules) stay as they are.
         self.modules = {
             name: m
@@ -387,7 +391,7 @@ class _Converter:
             return False
         weight = f"{owner}.weight"
         blocks = self.complete_blocks(weight, self.model.get_parameter(weight) if weight in loaded else None)
-        return convert_module(self.model, owner, self.quant, blocks=blocks, hessians=self.hessian)
+        return convert_module(self.model, owner, self.quant, blocks=blocks, hessians=self.hessian, coder=self.coder)
 
     def finish(self) -> None:
         """Row-parallel int8 linears (every rank, sorted), then the tied head."""
@@ -424,10 +428,11 @@ def load_model(
     on_tensor: TensorCallback | None = None,
     quantization: QuantConfig = NONE,
     calibration: Calibration | None = None,
+    int4_coder: Int4Coder | None = None,
 ) -> tuple[CausalLM, LoadStats]:
     """Build the model (this rank's shard) and load its weights, packing (bf16) or quantizing
-    linears as they complete (int4 against `calibration`'s statistics when given). Returns
-    (model in eval mode, statistics)."""
+    linears as they complete (int4 against `calibration`'s statistics when given, its codes
+    chosen by `int4_coder`: see `load_weights`). Returns (model in eval mode, statistics)."""
     stats = LoadStats()
     t0 = time.perf_counter()
     model = build_empty(config, dtype, device, parallel)
@@ -443,6 +448,7 @@ def load_model(
         on_tensor=on_tensor,
         convert=quantization,
         calibration=calibration,
+        int4_coder=int4_coder,
     )
     model.eval()
     who = f"rank {parallel.global_rank} ({parallel.describe()}): " if parallel.distributed else ""

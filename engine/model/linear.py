@@ -20,7 +20,7 @@ from torch import nn
 from engine.model.head import FloatHead
 from engine.model.linear_bf16 import WidenedLinear, bf16_emulated
 from engine.model.moe import SparseMoE
-from engine.model.quant import NONE, Int4Blocks, QuantConfig, QuantEmbedding, QuantLinear
+from engine.model.quant import NONE, Int4Blocks, Int4Coder, QuantConfig, QuantEmbedding, QuantLinear
 
 log = logging.getLogger("longctx.linear")
 
@@ -73,14 +73,16 @@ def make_linear(
     absmax: torch.Tensor | None = None,
     blocks: Int4Blocks | None = None,
     hessian: torch.Tensor | None = None,
+    coder: Int4Coder | None = None,
 ) -> nn.Module | None:
     """The fast module for `y = x W^T + b` (weight [out, in]): quantized, bf16 computed in
     float32 where the CPU emulates bf16 (`linear_bf16.py`), prepacked bf16, or None when plain
     `F.linear` is as good (float32, or no oneDNN). blocks: the weight's own 4-bit
     codes (a GGUF's Q4_0 / Q4_1), which int4 at group 32 takes as they are. hessian: int4's
-    calibration statistics for the weight's input columns (`engine/loading/calibrate.py`)."""
+    calibration statistics for the weight's input columns (`engine/loading/calibrate.py`). coder:
+    what chooses int4 codes (default `int4_codes`; a cache of them, `engine/loading/int4_cache.py`)."""
     if quant.enabled:
-        return QuantLinear(weight, bias, quant, weight.dtype, absmax, blocks, hessian)
+        return QuantLinear(weight, bias, quant, weight.dtype, absmax, blocks, hessian, coder)
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and bf16_emulated():
         return WidenedLinear(weight, bias)
     if packing_supported(weight.dtype, weight.device):
@@ -95,6 +97,7 @@ def convert_module(
     absmax: dict[str, torch.Tensor] | None = None,
     blocks: Int4Blocks | None = None,
     hessians: Callable[[str, int, int], torch.Tensor | None] | None = None,
+    coder: Int4Coder | None = None,
 ) -> bool:
     """Replace the loaded `nn.Linear` at `name` (or the expert stacks of the `SparseMoE` there)
     by packed or quantized modules, dropping the float weights. Returns whether anything changed.
@@ -102,7 +105,8 @@ def convert_module(
     absmax: per parameter name (`<name>.weight`, `<name>.w2`), the int8 row maxima over the whole
     checkpoint row, for ranks that hold only some of a row's columns. blocks: a linear's weight as
     4-bit codes (`make_linear`). hessians: (parameter name, rows, columns held) -> int4's
-    calibration statistics for those columns at the weight's int4 group, or None."""
+    calibration statistics for those columns at the weight's int4 group, or None. coder: as
+    `make_linear`'s."""
     absmax = absmax or {}
 
     def hessian(pname: str, n: int, k: int) -> torch.Tensor | None:
@@ -120,6 +124,7 @@ def convert_module(
             absmax.get(f"{name}.weight"),
             blocks,
             hessian(f"{name}.weight", *module.weight.shape) if q.mode == "int4" else None,
+            coder,
         )
     if isinstance(module, nn.Linear):
         if new is None:
@@ -136,7 +141,7 @@ def convert_module(
             amax = absmax.get(f"{name}.{attr}")
             h = hessian(f"{name}.{attr}", *stack.shape[1:])
             layers = [
-                make_linear(stack[e].detach(), None, quant, None if amax is None else amax[e], hessian=h)
+                make_linear(stack[e].detach(), None, quant, None if amax is None else amax[e], hessian=h, coder=coder)
                 for e in range(stack.shape[0])
             ]
             if any(x is None for x in layers):

@@ -18,6 +18,7 @@ becomes 64 for its hidden-size inputs), and int8 when N is not a multiple of 16.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,21 @@ def int4_codes(
         sz[:, rows, 0] = scale.T
         sz[:, rows, 1] = zero.T
     return q, sz
+
+
+# `int4_codes`' signature: what a stand-in for it (a cache of codes, `engine/loading/int4_cache.py`)
+# takes and returns.
+Int4Coder = Callable[[torch.Tensor, int, torch.dtype, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] int4 codes 0..15 -> [N, K/2] uint8, two a byte, the even column in the low nibble."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_nibbles(b: torch.Tensor) -> torch.Tensor:
+    """`pack_nibbles`' inverse: [N, K/2] uint8 -> [N, K] uint8 codes."""
+    return torch.stack((b & 15, b >> 4), dim=-1).view(b.shape[0], -1)
 
 
 # Range shrink factors tried by the clipping search, and rounds of least-squares refinement.
@@ -288,10 +304,11 @@ class QuantLinear(nn.Module):
         absmax: torch.Tensor | None = None,
         blocks: Int4Blocks | None = None,
         hessian: torch.Tensor | None = None,
+        coder: Int4Coder | None = None,
     ):
         """blocks: the weight's 4-bit codes, taken as they are when int4 runs at their group (32);
-        otherwise the float `weight` is quantized, against its calibration `hessian` when given
-        (`int4_codes`)."""
+        otherwise the float `weight` is quantized, against its calibration `hessian` when given,
+        by `coder` (default `int4_codes`)."""
         super().__init__()
         N, K = weight.shape
         self.in_features, self.out_features = K, N
@@ -301,7 +318,7 @@ class QuantLinear(nn.Module):
             if blocks is not None and group == Int4Blocks.GROUP:
                 q, sz = blocks.int4(dtype)
             else:
-                q, sz = int4_codes(weight, group, dtype, hessian)
+                q, sz = (coder or int4_codes)(weight, group, dtype, hessian)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             self.qweight = nn.Parameter(packed, requires_grad=False)
             self.scales = nn.Parameter(sz.to(dtype), requires_grad=False)
@@ -344,7 +361,7 @@ class QuantEmbedding(nn.Module):
                 q = blocks.codes.int()
             else:
                 q = int4_codes(weight, head.group_size, head.scales.dtype)[0]
-            rows = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+            rows = pack_nibbles(q)
         self.rows: torch.Tensor | None
         self.register_buffer("rows", rows, persistent=False)
 
@@ -352,8 +369,7 @@ class QuantEmbedding(nn.Module):
         head = self.head[0]
         if self.rows is None:  # int8: q * scale
             return head.qweight.index_select(0, ids).to(head.scales.dtype) * head.scales.index_select(0, ids)[:, None]
-        b = self.rows.index_select(0, ids)  # [T, K/2]
-        q = torch.stack((b & 15, b >> 4), dim=-1).view(ids.shape[0], -1).to(head.scales.dtype)  # [T, K]
+        q = unpack_nibbles(self.rows.index_select(0, ids)).to(head.scales.dtype)  # [T, K]
         sz = head.scales.index_select(1, ids).transpose(0, 1)  # [T, K/g, 2]
         g = head.group_size
         x = (q.view(ids.shape[0], -1, g) - 8) * sz[..., :1] + sz[..., 1:]
