@@ -181,8 +181,10 @@ def _search_int4(
     rows = max(1, _SEARCH_ELEMENTS // max(1, g.shape[1] * g.shape[2]))
     if g.shape[0] <= rows:
         return _search_int4_block(g, dtype, importance, clips, one_sided, rounds)
-    parts = [_search_int4_block(b, dtype, importance, clips, one_sided, rounds) for b in g.split(rows)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+    codes, scales, zeros = zip(
+        *(_search_int4_block(b, dtype, importance, clips, one_sided, rounds) for b in g.split(rows)), strict=True
+    )
+    return torch.cat(codes), torch.cat(scales), torch.cat(zeros)
 
 
 def _search_int4_block(
