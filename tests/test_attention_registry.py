@@ -18,8 +18,8 @@ from engine.attention import registry
 from engine.attention.base import AttentionMetadata
 from engine.attention.registry import choose_backend, make_backend
 from engine.attention.torch_paged import TorchPagedBackend
+from tests.server import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
 

@@ -17,10 +17,9 @@ from engine.engine import Engine, EngineConfig
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from tests.demo_answers import QUESTIONS
+from tests.server import ROOT
 from tests.structured_demo import with_special_marker
 from tests.tiny_models import tiny_moe_with_demo_tokenizer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _longctx(*args: str, defaults: bool = False) -> subprocess.CompletedProcess[str]:

@@ -11,7 +11,8 @@ import ast
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.server import ROOT
+
 PACKAGES = ("api", "sessions", "tools", "engine", "kvstore")
 
 # Top-level packages: who may import whom (a package may always import itself).

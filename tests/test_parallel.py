@@ -37,10 +37,10 @@ from engine.loading.safetensors_file import read_header, read_tensor, read_tenso
 from engine.model.tp import SourceSlice, split_heads
 from kvstore.block_pool import BlockPool
 from tests import parallel_ranks as ranks
+from tests.server import ROOT
 from tests.tiny_models import TinyModel, build_tiny, rel_error, run_mixed_step, tiny_moe_with_demo_tokenizer
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
 QWEN2_MOE: dict[str, Any] = {
     "num_experts": 6,
     "num_experts_per_tok": 2,

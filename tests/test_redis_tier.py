@@ -20,10 +20,9 @@ from engine.engine import Engine, EngineConfig
 from kvstore.codec import PageCodec
 from kvstore.prefix import page_hashes
 from tests.redis_server import private_redis, shared_redis
+from tests.server import ROOT
 from tests.test_prefix import SLOW_RECOMPUTE, fingerprint_of, first_logits, page_bytes
 from tests.tiny_models import TinyModel, build_tiny
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ from engine.distributed.launch import free_port
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from tests import parallel_ranks, vision_ranks
+from tests.server import ROOT
 from tests.tiny_models import rel_error
 from tests.vision_models import build_tiny_vlm, run_chunks
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_moe_vlm_tensor_and_expert_parallel_match_single_process(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import torch
 from engine.model.compile_setup import compile_available, prepare
 from engine.model.compiled import CompiledStep
 from tests.compile_cache import configure_compile
+from tests.server import ROOT
 from tests.tiny_models import rel_error
 from tests.vision_models import (
     TinyVLM,
@@ -25,8 +26,6 @@ from tests.vision_models import (
     run_chunks,
     vlm_runner,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,8 @@ from engine.loading.model_source import ModelNotFound, resolve_model
 from engine.loading.safetensors_file import CheckpointError
 from engine.loading.weights import SafetensorsSource, load_model
 from engine.model.config import ModelConfig, UnsupportedModel
+from tests.server import ROOT
 from tests.tiny_models import build_tiny
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture()

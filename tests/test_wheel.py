@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.server import ROOT
 from tests.tiny_models import build_tiny
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 

@@ -123,10 +123,9 @@ def open_source(
             typed = _cached_weights(cache, want)
             if typed is not None:
                 return config, typed
-        if cache.has_weights():
-            found = _cached_weights(cache, torch.float32)
-            if found is not None:  # kept when loaded in another dtype: to cache them in that one
-                return config, found if want == torch.float32 else TeeSource(found)
+        found = _float32_conversion(cache)
+        if found is not None:  # kept when loaded in another dtype: to cache them in that one
+            return config, found if want == torch.float32 else TeeSource(found)
     from engine.loading.gguf_file import GGUFSource
 
     gguf = GGUFSource(source.path)
@@ -147,10 +146,13 @@ def converted_for_quantizing(
     written (a quantized load's weights are not the file's)."""
     if cache is None or not quant.enabled or (quant.mode == "int4" and quant.group_size == Int4Blocks.GROUP):
         return None
-    if config is None or not cache.has_weights():
-        return None
-    found = _cached_weights(cache, torch.float32)
-    return (config, found) if found is not None else None
+    found = None if config is None else _float32_conversion(cache)
+    return (config, found) if config is not None and found is not None else None
+
+
+def _float32_conversion(cache: GGUFCache) -> SafetensorsSource | None:
+    """The GGUF's weights as dequantized to float32, when its cache holds them (readable)."""
+    return _cached_weights(cache, torch.float32) if cache.has_weights() else None
 
 
 def _cached_weights(cache: GGUFCache, dtype: torch.dtype) -> SafetensorsSource | None:
