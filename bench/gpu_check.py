@@ -1,10 +1,20 @@
 """Attention backends on a GPU: each checked against a float32 torch_paged reference, and timed.
 
     python bench/gpu_check.py                 # CUDA: torch_paged and flashinfer, bf16 and fp16
-    python bench/gpu_check.py --cpu-selftest  # CPU: torch_paged only, small shapes
+    python bench/gpu_check.py --cpu-selftest  # CPU: torch_paged only, small shapes and model
+    python bench/gpu_check.py --prebuild DIR  # nvcc, no GPU: FlashInfer's kernels for these cases
 
-Imports only torch and `engine.attention`, so it runs where nothing else of longctx's
-dependencies is installed. Cases: random prefill, chunked-prefill (new tokens after a
+FlashInfer compiles each kernel family (prefill or decode, dtype, window or not) with nvcc at
+first use: on Hopper its FA3 prefill modules take minutes. `--prebuild DIR` builds exactly the
+modules the GPU cases plan, for sm_90a, on any machine with nvcc (no GPU needed), and writes
+them as `DIR/<module>/<module>.so`, FlashInfer's ahead-of-time layout: copied into the
+installed package's `flashinfer/data/aot/`, they are loaded instead of compiled (a module
+missing there is still compiled at first use).
+
+The attention cases import only torch and `engine.attention`, so they run where nothing else
+of longctx's dependencies is installed; then a random Llama runs through our runner and
+`Engine` per backend (`bench/gpu_engine.py`), where transformers and the engine's
+dependencies are there (else that part says what is missing). Cases: random prefill, chunked-prefill (new tokens after a
 cached context), decode and mixed batches, with and without a sliding window, over the
 same paged cache `[num_pages, 2, page_size, KVH, D]` with shuffled page tables. Inputs
 are drawn in the tested dtype and the reference runs on the same values in float32, so
@@ -37,6 +47,10 @@ from engine.attention.registry import make_backend  # noqa: E402
 from engine.attention.torch_paged import TorchPagedBackend  # noqa: E402
 
 THRESHOLDS = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# A row "flashinfer+tc": decode steps on FlashInfer's tensor-core kernels, which our backend
+# picks only above 4 query heads per KV head; timed beside the default at 4 (bf16, no window).
+TENSOR_CORES = "+tc"
+TENSOR_CORE_CASES = {("decode", torch.bfloat16)}
 DEFAULT_OUT = ROOT / "bench" / "results" / "gpu_check.json"
 SELFTEST_OUT = ROOT / "bench" / "results" / "gpu_check_selftest.json"
 
@@ -140,45 +154,46 @@ def run_case(
     expected = ref.forward(0, q32, k32, v32, cache32, case.window)
     ref_ms = time_ms(lambda: ref.forward(0, q32, k32, v32, cache32, case.window), device, reps)
 
+    base = {
+        "case": case.name,
+        "dtype": str(dtype).replace("torch.", ""),
+        "seqs": meta.batch_size,
+        "tokens": T,
+        "max_kv": max(case.kv_lens),
+        "window": case.window,
+        "threshold": THRESHOLDS[dtype],
+        "ref_fp32_ms": ref_ms,
+    }
     rows = []
     for name in backends:
-        backend = make_backend(name, device, H, KVH, D)
         c = cache.clone()
-        t0 = time.perf_counter()
-        backend.plan(meta)
-        _sync(device)
-        plan_ms = (time.perf_counter() - t0) * 1e3
-        out = backend.forward(0, q, k, v, c, case.window)
-        err = rel_err(out, expected)
-        written = bool(
-            torch.equal(c[meta.slot_pages, 0, meta.slot_offsets], k)
-            and torch.equal(c[meta.slot_pages, 1, meta.slot_offsets], v)
-        )
+        try:
+            backend = make_backend(name.removesuffix(TENSOR_CORES), device, H, KVH, D)
+            if name.endswith(TENSOR_CORES):  # decode on FlashInfer's tensor-core (prefill) kernels
+                backend.decode_tensor_cores = True  # type: ignore[attr-defined]
+            t0 = time.perf_counter()
+            backend.plan(meta)
+            _sync(device)
+            plan_ms = (time.perf_counter() - t0) * 1e3
+            out = backend.forward(0, q, k, v, c, case.window)
+            err = rel_err(out, expected)
+            written = bool(
+                torch.equal(c[meta.slot_pages, 0, meta.slot_offsets], k)
+                and torch.equal(c[meta.slot_pages, 1, meta.slot_offsets], v)
+            )
 
-        def step(backend: Any = backend, c: torch.Tensor = c) -> torch.Tensor:
-            return backend.forward(0, q, k, v, c, case.window)
+            def step(backend: Any = backend, c: torch.Tensor = c) -> torch.Tensor:
+                return backend.forward(0, q, k, v, c, case.window)
 
-        ms = time_ms(step, device, reps)
-        threshold = THRESHOLDS[dtype]
-        rows.append(
-            {
-                "case": case.name,
-                "dtype": str(dtype).replace("torch.", ""),
-                "backend": name,
-                "seqs": meta.batch_size,
-                "tokens": T,
-                "max_kv": max(case.kv_lens),
-                "window": case.window,
-                "error": err,
-                "threshold": threshold,
-                "kv_written": written,
-                "ok": err < threshold and written,
-                "ms": ms,
-                "plan_ms": plan_ms,
-                "ref_fp32_ms": ref_ms,
-            }
-        )
-        del c
+            ms = time_ms(step, device, reps)
+        except Exception as e:  # a backend that fails here is a failed row; the other cases still run
+            rows.append(base | {"backend": name, "ok": False, "failure": f"{type(e).__name__}: {e}"[:2000]})
+            continue
+        finally:
+            del c
+        ok = err < THRESHOLDS[dtype] and written
+        rows.append(base | {"backend": name, "error": err, "kv_written": written, "ok": ok, "ms": ms})
+        rows[-1]["plan_ms"] = plan_ms
     return rows
 
 
@@ -196,11 +211,76 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(head)
     print("-" * len(head))
     for r in rows:
+        where = f"{r['case']:<15} {r['dtype']:<9} {r['backend']:<12} {r['seqs']:>4} {r['tokens']:>6} {r['max_kv']:>6} "
+        where += f"{r['window'] or '-':>6} "
+        if "failure" in r:
+            print(where + f"FAILED: {r['failure'][:200]}")
+            continue
         print(
-            f"{r['case']:<15} {r['dtype']:<9} {r['backend']:<12} {r['seqs']:>4} {r['tokens']:>6} {r['max_kv']:>6} "
-            f"{r['window'] or '-':>6} {r['error']:>9.2e} {r['threshold']:>7.0e} {'yes' if r['ok'] else 'NO':>3} "
+            where + f"{r['error']:>9.2e} {r['threshold']:>7.0e} {'yes' if r['ok'] else 'NO':>3} "
             f"{r['ms']:>9.3f} {r['ref_fp32_ms']:>11.3f}"
         )
+
+
+def print_engine(rows: list[dict[str, Any]]) -> None:
+    head = f"{'engine':<9} {'backend':<12} {'logits error':>12} {'limit':>7} {'ok':>3} "
+    head += f"{'tokens/s':>9}  {'greedy vs first backend':<24} greedy vs float32"
+    print("\n" + head)
+    for r in rows:
+        if "skipped" in r or "failure" in r:
+            print(
+                f"{r.get('dtype', '-'):<9} {r.get('backend', '-'):<12} {r.get('skipped') or 'FAILED: ' + r['failure']}"
+            )
+            continue
+        print(
+            f"{r['dtype']:<9} {r['backend']:<12} {r['error']:>12.2e} {r['threshold']:>7.0e} "
+            f"{'yes' if r['ok'] else 'NO':>3} {r['engine_tokens_per_s']:>9.1f}  "
+            f"{r['greedy_vs_first_backend']:<24} {r['greedy_vs_float32']}"
+        )
+
+
+def prebuild(out_dir: Path, shape: Shape = GPU_SHAPE) -> int:
+    """Compile the FlashInfer modules `gpu_cases` plan on sm_90a (an H100/H200) into `out_dir`.
+
+    The module arguments repeat those `BatchPrefillWithPagedKVCacheWrapper.plan` and
+    `BatchDecodeWithPagedKVCacheWrapper.plan` derive (flashinfer 0.5.3) for our backend: the
+    plan's dtypes, int32 indptr, no positional encoding in the kernel, no soft cap, and
+    prefill on FA3 (what `auto` picks on sm_90a for these arguments), plus the page module
+    FA3's runs use to turn a page table into token offsets, and the FA2 prefill module the
+    "+tc" decode rows run. A module whose name
+    differs from the one planned on the GPU is simply compiled there, so a mismatch costs
+    time, never correctness.
+    """
+    import shutil
+
+    os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    from engine.attention.flashinfer import import_flashinfer
+
+    import_flashinfer()
+    from flashinfer.jit.attention.modules import gen_batch_decode_module, gen_batch_prefill_module
+    from flashinfer.jit.core import build_jit_specs
+    from flashinfer.jit.page import gen_page_module
+
+    D = shape.head_dim
+    specs = [gen_page_module()]  # FA3 reads pages of more than one token through its offsets
+    for dtype in (torch.bfloat16, torch.float16):
+        for window in (False, True):
+            args = (dtype, dtype, dtype, torch.int32, D, D, 0, window, False)
+            specs.append(gen_batch_prefill_module("fa3", *args, False))  # the last: no fp16 QK reduction
+            if shape.num_heads // shape.num_kv_heads <= 4:  # else decode runs the prefill kernels
+                specs.append(gen_batch_decode_module(*args))
+            if (("decode", dtype) in TENSOR_CORE_CASES) and not window:  # the "+tc" rows' decode
+                specs.append(gen_batch_prefill_module("fa2", *args, False))
+    t0 = time.perf_counter()
+    print(f"prebuild: {len(specs)} modules: {', '.join(s.name for s in specs)}", flush=True)
+    build_jit_specs(specs, verbose=False, skip_prebuilt=False)
+    for spec in specs:
+        dest = out_dir / spec.name / f"{spec.name}.so"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(spec.jit_library_path, dest)
+        print(f"  {dest} ({dest.stat().st_size / 2**20:.1f} MiB)")
+    print(f"prebuild: {time.perf_counter() - t0:.0f} s")
+    return 0
 
 
 def flashinfer_status(device: torch.device) -> tuple[bool, str]:
@@ -219,7 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-selftest", action="store_true", help="run the torch_paged cases on CPU, small shapes")
     parser.add_argument("--out", type=Path, default=None, help=f"JSON report (default {DEFAULT_OUT})")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
+    parser.add_argument("--prebuild", type=Path, default=None, metavar="DIR", help="compile FlashInfer's modules")
     args = parser.parse_args(argv)
+    if args.prebuild is not None:
+        try:
+            return prebuild(args.prebuild)
+        except RuntimeError as e:  # flashinfer missing, or nvcc failed (its output is in the message)
+            print(f"gpu_check --prebuild: {e}", file=sys.stderr)
+            return 2
 
     if args.cpu_selftest:
         device, shape, cases, backends = torch.device("cpu"), CPU_SHAPE, cpu_cases(), ["torch_paged"]
@@ -245,19 +332,29 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out, report)
     for i, case in enumerate(cases):
         for dtype in (torch.bfloat16, torch.float16):
-            rows = run_case(case, shape, dtype, backends, device, reps, seed=1000 + i)
+            extra = (
+                ["flashinfer" + TENSOR_CORES]
+                if "flashinfer" in backends and (case.name, dtype) in TENSOR_CORE_CASES
+                else []
+            )
+            rows = run_case(case, shape, dtype, backends + extra, device, reps, seed=1000 + i)
             report["results"].extend(rows)
             write_json(out, report)
             for r in rows:
-                print(
-                    f"  {r['case']} {r['dtype']} {r['backend']}: error {r['error']:.2e}, {r['ms']:.3f} ms", flush=True
-                )
+                said = r["failure"] if "failure" in r else f"error {r['error']:.2e}, {r['ms']:.3f} ms"
+                print(f"  {r['case']} {r['dtype']} {r['backend']}: {said}", flush=True)
+    from bench.gpu_engine import engine_rows
+
+    dtypes = [torch.float32, torch.bfloat16] if device.type == "cpu" else [torch.bfloat16, torch.float16]
+    report["engine"] = engine_rows(device, backends, dtypes)
     report["complete"] = True
     write_json(out, report)
     print()
     print_table(report["results"])
-    failed = [r for r in report["results"] if not r["ok"]]
-    print(f"\n{len(report['results']) - len(failed)} passed, {len(failed)} failed; report: {out}")
+    print_engine(report["engine"])
+    rows = report["results"] + [r for r in report["engine"] if "skipped" not in r]
+    failed = [r for r in rows if not r["ok"]]
+    print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed; report: {out}")
     return 1 if failed else 0
 
 

@@ -1,7 +1,7 @@
 """Speed as served: ours through `longctx serve` (the `openai` client streaming), beside the
 in-process engine and llama.cpp's own loop, every system in one run, on the demo model.
 
-For each dtype of ours (bf16, int8, int4 = weight-only linears, bf16 activations):
+For each dtype of ours (float32, bf16, int8, int4 = weight-only linears, bf16 activations):
 - served: `longctx serve` (the engine in its own process, `engine/process/main.py`), driven by
   `openai.AsyncOpenAI` over `/v1/chat/completions` with `stream: true` and usage;
 - in-process: the same engine flags, `Engine` stepped on one thread of a worker process (the
@@ -19,7 +19,7 @@ generation loop in the interpreter `--llama-python` names (one with llama-cpp-py
 skipped with a note otherwise. Prints a table with served / in-process and the targets' verdicts,
 and writes JSON to bench/results/served.json. Timing runs belong under `flock -x`.
 
-    python bench/served.py [--quick] [--dtypes bfloat16,int8,int4] [--no-compile]
+    python bench/served.py [--quick] [--dtypes float32,bfloat16,int8,int4] [--no-compile]
         [--llama-python PATH] [--threads 2] [--generate-dtypes int4]
 """
 
@@ -41,10 +41,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
 STREAMS = (1, 4, 16, 32)
+# Each row of the table: the model's dtype and its linears' quantization (float32 is what a
+# start picks on a CPU without AVX-512, so it is measured there as served).
+DTYPES = {
+    "float32": ("float32", "none"),
+    "bfloat16": ("bfloat16", "none"),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+}
 DTYPE_FLAGS = {
-    "bfloat16": ["--dtype", "bfloat16"],
-    "int8": ["--dtype", "bfloat16", "--quantization", "int8"],
-    "int4": ["--dtype", "bfloat16", "--quantization", "int4"],
+    name: ["--dtype", dtype] + (["--quantization", quant] if quant != "none" else [])
+    for name, (dtype, quant) in DTYPES.items()
 }
 _seq = [0]
 
@@ -205,8 +212,8 @@ def run_in_process(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     from engine.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
-    quant = "none" if dtype == "bfloat16" else dtype
-    loaded = load("smollm2-135m-instruct", "bfloat16", progress=False, quantization=quant)
+    model_dtype, quant = DTYPES[dtype]
+    loaded = load("smollm2-135m-instruct", model_dtype, progress=False, quantization=quant)
     engine_flags = argparse.ArgumentParser()
     add_engine_args(engine_flags)  # the engine flags' defaults, as `serve` starts (compile where it builds)
     compiled = not args.no_compile and want_compile(engine_flags.parse_args([]))
@@ -306,6 +313,7 @@ def agreement(a: dict[str, Any], b: dict[str, Any]) -> str:
 
 METRICS = ["ttft_p50_ms", *(f"decode_{n}" for n in STREAMS), "decode_1_2k", "decode_1_7k"]
 TARGETS = [  # (what, served key, against, bound)
+    ("float32 single-stream served / in-process", "float32", "decode_1", "in", 0.9),
     ("bf16 single-stream served / in-process", "bfloat16", "decode_1", "in", 0.9),
     ("int8 single-stream served / in-process", "int8", "decode_1", "in", 0.9),
     ("int4 single-stream served / in-process", "int4", "decode_1", "in", 0.9),

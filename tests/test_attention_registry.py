@@ -327,3 +327,21 @@ def test_gpu_check_cpu_selftest(tmp_path: Path) -> None:
         limit = {"bfloat16": 1e-2, "float16": 2e-3}[r["dtype"]]
         assert r["threshold"] == limit and 0 < r["error"] < limit and r["kv_written"] and r["ok"], r
     assert "passed, 0 failed" in proc.stdout and "chunked-window" in proc.stdout
+
+
+def test_gpu_check_prebuild_without_flashinfer_says_so(tmp_path: Path) -> None:
+    proc = _run_gpu_check("--prebuild", str(tmp_path / "aot"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "flashinfer-python 0.5.3" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "aot").exists()
+
+
+def test_gpu_engine_rows_on_cpu() -> None:
+    """The engine part of gpu_check, run here on CPU: our runner and `Engine` against transformers."""
+    from bench.gpu_engine import engine_rows
+
+    rows = engine_rows(torch.device("cpu"), ["torch_paged"], [torch.float32])
+    assert len(rows) == 1 and rows[0]["ok"], rows
+    assert rows[0]["error"] < 1e-4 and rows[0]["greedy_vs_first_backend"] == "8/8, 16.0"
+    assert rows[0]["greedy_vs_float32"] == "8/8, 16.0"  # float32: transformers' greedy tokens exactly
+    assert rows[0]["engine_tokens_per_s"] > 0
