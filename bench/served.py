@@ -12,11 +12,12 @@ after the first token at 1, 4, 16 and 32 concurrent streams (aggregate: tokens a
 stream's first over the time from the first stream's first token to the last stream's end);
 single-stream decode after a 2k (and, without `--quick`, a 7k: the demo model's context is
 8,192) token prompt; `longctx generate`'s single-stream decode (after its first token reached
-stdout, the median of three runs). Greedy, so served and in-process generate the same text: the run reports how many of its streams agree (a speed
-figure counts only beside that agreement). llama.cpp (Q4_1, the same GGUF) runs through its own
-generation loop in the interpreter `--llama-python` names (one with llama-cpp-python), and is
-skipped with a note otherwise. Prints a table with served / in-process and the targets' verdicts,
-and writes JSON to bench/results/served.json. Timing runs belong under `flock -x`.
+stdout, the median of three runs). Greedy, so served and in-process generate the same text: the
+run reports how many of its streams agree (a speed figure counts only beside that agreement).
+llama.cpp (Q4_1, the same GGUF) runs through its own generation loop in the interpreter
+`--llama-python` names (one with llama-cpp-python), and is skipped with a note otherwise.
+Prints a table with served / in-process and the targets' verdicts, and writes JSON to
+bench/results/served.json. Timing runs belong under `flock -x`.
 
     python bench/served.py [--quick] [--dtypes float32,bfloat16,int8,int4] [--no-compile]
         [--llama-python PATH] [--threads 2] [--generate-dtypes int4]
