@@ -88,3 +88,48 @@ def test_a_second_int4_load_chooses_no_codes(
         if isinstance(a, QuantLinear):
             assert isinstance(b, QuantLinear)
             assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
+
+
+def test_trim_drops_the_least_recently_used_beyond_the_budget(tmp_path: Path) -> None:
+    """Four entries over a budget of two: the two least recently used go (a read counts as a
+    use), a temporary file a dead writer left goes once stale, one being written stays."""
+    import os
+    import time
+
+    torch.manual_seed(1)
+    weights = [torch.randn(16, 64) for _ in range(4)]
+    cache = int4_cache.Int4CodesCache(tmp_path, budget=0)
+    for w in weights:
+        cache.codes(w, 64)
+    paths = [cache.path(int4_cache.codes_key(w, 64, torch.float32, None)) for w in weights]
+    size = paths[0].stat().st_size
+    assert all(p.stat().st_size == size for p in paths)
+    old = time.time() - 7200
+    for i, p in enumerate(paths):  # written in order, an hour or two ago
+        os.utime(p, (old + i, old + i))
+    stale, fresh = tmp_path / ".part-dead.safetensors", tmp_path / ".part-live.safetensors"
+    stale.write_bytes(b"x" * 10)
+    fresh.write_bytes(b"y" * 10)
+    os.utime(stale, (old, old))
+
+    assert cache.trim() == 10  # no budget: only the stale temporary file
+    assert all(p.exists() for p in paths) and not stale.exists() and fresh.exists()
+    cache.codes(weights[0], 64)  # a hit: the oldest entry is now the most recent
+    assert cache.hits == 1
+    cache.budget = 2 * size + size // 2
+    assert cache.trim() == 2 * size
+    assert [p.exists() for p in paths] == [True, False, False, True] and fresh.exists()
+    assert cache.trim() == 0  # within the budget now
+
+
+def test_budget_from_the_environment(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv(int4_cache.BUDGET_ENV, raising=False)
+    assert int4_cache.budget_bytes() == 32 << 30
+    for text, want in (("123", 123), ("0", 0), (" 5000000 ", 5_000_000)):
+        monkeypatch.setenv(int4_cache.BUDGET_ENV, text)
+        assert int4_cache.budget_bytes() == want
+    for bad in ("lots", "-1", "1.5"):
+        monkeypatch.setenv(int4_cache.BUDGET_ENV, bad)
+        with caplog.at_level("WARNING", logger="longctx.int4_cache"):
+            assert int4_cache.budget_bytes() == 32 << 30
+        assert int4_cache.BUDGET_ENV in caplog.text

@@ -12,14 +12,20 @@ statistics it was given and the quantizer's code, so they are kept by a hash of 
 
 Content-addressed, so a weight shared by two models, or the same slice on a rank of a sharded
 load, finds the same entry, and a changed weight or quantizer a new one. Hashing a weight
-costs a pass over its bytes (~0.1 s for the demo model's). Entries are not evicted (as the
-calibrations beside them): delete the directory to reclaim the space. A file that cannot be
-read or written is logged and the codes are chosen again.
+costs a pass over its bytes (~0.1 s for the demo model's). An entry takes about 0.6 bytes per
+parameter at group 64 (its codes and its float32 scales and zeros), so a few large models fill a
+disk: after each load the directory is trimmed to `LONGCTX_INT4_CACHE_BYTES` (default 32 GiB; 0
+keeps everything), the least recently used entries first (a read refreshes an entry's time),
+and a temporary file a killed writer left behind goes once it is an hour old. A file that
+cannot be read or written is logged and the codes are chosen again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +38,24 @@ from engine.model import int4_calibrated, quant
 log = logging.getLogger("longctx.int4_cache")
 
 _CODE = (Path(quant.__file__), Path(int4_calibrated.__file__))
+DEFAULT_BUDGET = 32 << 30
+BUDGET_ENV = "LONGCTX_INT4_CACHE_BYTES"
+STALE_PART_S = 3600  # a temporary file older than this was left by a writer that died
+
+
+def budget_bytes() -> int:
+    """The directory's byte budget: `LONGCTX_INT4_CACHE_BYTES` (0: no limit), else 32 GiB."""
+    text = os.environ.get(BUDGET_ENV, "").strip()
+    if not text:
+        return DEFAULT_BUDGET
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        log.warning("%s=%r is not a byte count (0 or more): using %d", BUDGET_ENV, text, DEFAULT_BUDGET)
+        return DEFAULT_BUDGET
+    return value
 
 
 def _tensor(h: xxhash.xxh3_128, t: torch.Tensor | None) -> None:
@@ -57,8 +81,9 @@ class Int4CodesCache:
     """The int4 codes under `root` (default `$LONGCTX_HOME/int4`); `codes` stands in for
     `int4_codes`. Counts what it found and what it chose (`hits`, `misses`)."""
 
-    def __init__(self, root: Path | None = None):
+    def __init__(self, root: Path | None = None, budget: int | None = None):
         self.root = root if root is not None else longctx_home() / "int4"
+        self.budget = budget_bytes() if budget is None else budget
         self.hits = self.misses = 0
 
     def path(self, key: str) -> Path:
@@ -81,6 +106,8 @@ class Int4CodesCache:
             q, sz = quant.unpack_nibbles(tensors["codes"]).int(), tensors["scale_zeros"]
             if q.shape == w.shape and sz.shape == (w.shape[1] // group, w.shape[0], 2):
                 self.hits += 1
+                with contextlib.suppress(OSError):
+                    os.utime(path)  # recently used: the last to be trimmed
                 return q, sz
             log.warning("int4 codes %s have the wrong shape: choosing them again", path)
         self.misses += 1
@@ -90,3 +117,43 @@ class Int4CodesCache:
         except Exception as e:  # a cache that cannot be written must never fail the load
             log.warning("cannot store int4 codes in %s: %s", self.root, e)
         return q, sz
+
+    def trim(self) -> int:
+        """Delete the least recently used entries until the directory fits the budget (and
+        temporary files a dead writer left); returns the bytes freed. Another process's
+        concurrent trim or read is harmless: a vanished file is skipped, or read as a miss."""
+        entries, freed, now = [], 0, time.time()
+        try:
+            listing = list(self.root.iterdir())
+        except OSError:
+            return 0
+        for path in listing:
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            if path.name.startswith(".part-"):
+                if now - st.st_mtime > STALE_PART_S:
+                    freed += _unlink(path, st.st_size)
+            elif path.suffix == ".safetensors":
+                entries.append((st.st_mtime, st.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        if self.budget > 0:
+            for _, size, path in sorted(entries):
+                if total <= self.budget:
+                    break
+                gone = _unlink(path, size)
+                freed += gone
+                total -= gone
+        if freed:
+            mb = (freed / 1e6, total / 1e6, self.budget / 1e6)
+            log.info("int4 codes: freed %.1f MB in %s (%.1f MB kept, budget %.1f MB)", mb[0], self.root, *mb[1:])
+        return freed
+
+
+def _unlink(path: Path, size: int) -> int:
+    try:
+        path.unlink()
+    except OSError:  # gone already (another process trimmed it), or not ours to delete
+        return 0
+    return size

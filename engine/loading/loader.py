@@ -272,6 +272,8 @@ def load(
         calibration=calibration,
         int4_coder=None if coder is None else coder.codes,
     )
+    if coder is not None:
+        coder.trim()
     if calibration is not None:
         stats.phases["calibrate"] = t_calibrate
     if coder is not None and coder.hits + coder.misses:
