@@ -42,9 +42,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.gpu_engine import engine_rows, sync_device  # noqa: E402
 from engine.attention.base import AttentionMetadata  # noqa: E402
 from engine.attention.registry import make_backend  # noqa: E402
 from engine.attention.torch_paged import TorchPagedBackend  # noqa: E402
+from engine.verify.agreement import rel_error  # noqa: E402
 
 THRESHOLDS = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 # A row "flashinfer+tc": decode steps on FlashInfer's tensor-core kernels, which our backend
@@ -110,24 +112,15 @@ def cpu_cases() -> list[Case]:
     ]
 
 
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     """Median wall time of `fn` in milliseconds, after one warm-up call."""
     fn()
-    _sync(device)
+    sync_device(device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync_device(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -168,7 +161,7 @@ def run_case(
     if case.released:  # the reference over the whole tables gives the same: the left-out pages are unseen
         whole = TorchPagedBackend(H, KVH, D)
         whole.plan(AttentionMetadata.build(tables, list(case.q_lens), list(case.kv_lens), S, device))
-        released_ok = rel_err(whole.forward(0, q32, k32, v32, cache32.clone(), case.window), expected) < 1e-5
+        released_ok = rel_error(whole.forward(0, q32, k32, v32, cache32.clone(), case.window), expected) < 1e-5
 
     base = {
         "case": case.name,
@@ -191,10 +184,10 @@ def run_case(
                 backend.decode_tensor_cores = True  # type: ignore[attr-defined]
             t0 = time.perf_counter()
             backend.plan(meta)
-            _sync(device)
+            sync_device(device)
             plan_ms = (time.perf_counter() - t0) * 1e3
             out = backend.forward(0, q, k, v, c, case.window)
-            err = rel_err(out, expected)
+            err = rel_error(out, expected)
             written = bool(
                 torch.equal(c[meta.slot_pages, 0, meta.slot_offsets], k)
                 and torch.equal(c[meta.slot_pages, 1, meta.slot_offsets], v)
@@ -210,8 +203,8 @@ def run_case(
         finally:
             del c
         ok = err < THRESHOLDS[dtype] and written and released_ok
-        rows.append(base | {"backend": name, "error": err, "kv_written": written, "ok": ok, "ms": ms})
-        rows[-1]["plan_ms"] = plan_ms
+        measured = {"error": err, "kv_written": written, "ok": ok, "ms": ms, "plan_ms": plan_ms}
+        rows.append(base | {"backend": name} | measured)
     return rows
 
 
@@ -361,8 +354,6 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows:
                 said = r["failure"] if "failure" in r else f"error {r['error']:.2e}, {r['ms']:.3f} ms"
                 print(f"  {r['case']} {r['dtype']} {r['backend']}: {said}", flush=True)
-    from bench.gpu_engine import engine_rows
-
     dtypes = [torch.float32, torch.bfloat16] if device.type == "cpu" else [torch.bfloat16, torch.float16]
     report["engine"] = engine_rows(device, backends, dtypes)
     report["complete"] = True

@@ -44,21 +44,10 @@ THRESHOLDS = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}
 PAGE = 16
 
 
-def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
-def _reference(tmp: Path, device: torch.device, small: bool) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    ref = LlamaForCausalLM(LlamaConfig(**(CPU_MODEL if small else MODEL))).eval()
-    with torch.no_grad():  # transformers starts norms at one: random ones catch a missed norm
-        for name, p in ref.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-    ref.save_pretrained(tmp)
-    return ref.to(device)
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so a wall-clock time covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
@@ -103,12 +92,15 @@ def _logits_by(runner: Any, ids: list[int], chunk: int, decode_tail: int) -> tor
 def engine_rows(device: torch.device, backends: list[str], dtypes: list[torch.dtype]) -> list[dict[str, Any]]:
     """One row per (dtype, backend): the logits' error and the engine's greedy run."""
     try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
         from engine.engine import Engine
         from engine.engine_config import EngineConfig
         from engine.loading.weights import SafetensorsSource, load_model
-        from engine.model.config import ModelConfig
         from engine.model_runner import ModelRunner
         from engine.sampling_params import SamplingParams
+        from engine.verify.agreement import rel_error
+        from tests.tiny_models import build_tiny
     except ImportError as e:
         return [{"case": "engine", "skipped": f"needs longctx's engine dependencies: {e}"}]
 
@@ -121,20 +113,20 @@ def engine_rows(device: torch.device, backends: list[str], dtypes: list[torch.dt
     max_tokens = 16 if small else 64
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        ref = _reference(Path(tmp), device, small)
+        tiny = build_tiny(LlamaConfig, LlamaForCausalLM, Path(tmp), **(CPU_MODEL if small else MODEL))
+        ref = tiny.ref.to(device)  # float32, random norms: a missed norm shows
         with torch.no_grad():
             expected = [ref(torch.tensor([p], device=device), use_cache=False).logits[0].float() for p in prompts]
         greedy32 = _greedy_reference(ref, batch, max_tokens, device)
-        config = ModelConfig.from_pretrained_dir(Path(tmp))
         for dtype in dtypes:
-            model, _ = load_model(config, SafetensorsSource(Path(tmp)), dtype, device, progress=False)
+            model, _ = load_model(tiny.config, SafetensorsSource(Path(tmp)), dtype, device, progress=False)
             first: list[list[int]] | None = None
             for name in backends:
                 row: dict[str, Any] = {"case": "engine", "dtype": str(dtype).replace("torch.", ""), "backend": name}
                 try:
                     runner = ModelRunner.for_model(model, PAGE, 64 << 20, name)
                     errs = [
-                        _rel_err(_logits_by(runner, p, chunk, 16), exp)
+                        rel_error(_logits_by(runner, p, chunk, 16), exp)
                         for p, exp in zip(prompts, expected, strict=True)
                         for chunk in (len(p), 64)
                     ]
@@ -145,13 +137,11 @@ def engine_rows(device: torch.device, backends: list[str], dtypes: list[torch.dt
                                      max_num_batched_tokens=2048),
                     )  # fmt: skip
                     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
+                    sync_device(device)
                     t0 = time.perf_counter()
                     handles = [engine.add_request(p, params) for p in batch]
                     engine.run_until_idle()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
+                    sync_device(device)
                     seconds = time.perf_counter() - t0
                     tokens = [h.result()[0] for h in handles]
                     del engine
