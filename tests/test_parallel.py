@@ -37,6 +37,7 @@ from engine.loading.safetensors_file import read_header, read_tensor, read_tenso
 from engine.model.tp import SourceSlice, split_heads
 from kvstore.block_pool import BlockPool
 from tests import parallel_ranks as ranks
+from tests.rank_forks import run_ranks
 from tests.server import ROOT
 from tests.tiny_models import TinyModel, build_tiny, rel_error, run_mixed_step, tiny_moe_with_demo_tokenizer
 
@@ -69,18 +70,13 @@ THRESHOLD = 1e-5
 def launch_ranks(
     model: Path, out: Path, modes: tuple[str, ...], world_size: int = 2
 ) -> dict[str, list[dict[str, Any]]]:
-    """Both ranks as separate processes with torchrun's environment; their results per mode."""
+    """The ranks as separate processes with torchrun's environment (forked from a process that has
+    imported torch: `tests/rank_forks.py`); their results per mode."""
     env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size)}
     env |= {"LONGCTX_THREADS": "1", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world_size)}
-    cmd = [sys.executable, "-m", "tests.parallel_ranks", "logits", str(model), str(out), "--modes", ",".join(modes)]
+    argv = ["logits", str(model), str(out), "--modes", ",".join(modes)]
     logs = [out / f"rank{r}.log" for r in range(world_size)]  # files, not pipes: a full pipe would block a rank
-    procs = []
-    for r in range(world_size):
-        with open(logs[r], "wb") as log:
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, stderr=log))
-    for r, p in enumerate(procs):
-        p.wait(timeout=600)  # a hang, not speed: both ranks compiling cold under load passed 120 s
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r].read_text()[-3000:]}"
+    run_ranks("tests.parallel_ranks", argv, env, logs, timeout_s=600)  # both ranks compiling cold passed 120 s
     return {m: [torch.load(out / f"rank{r}-{m}.pt") for r in range(world_size)] for m in modes}
 
 

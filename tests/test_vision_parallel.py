@@ -6,8 +6,6 @@ without images through the engine (rank 0 encodes; the features travel in the st
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ from engine.distributed.launch import free_port
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from tests import parallel_ranks, vision_ranks
-from tests.server import ROOT
+from tests.rank_forks import run_ranks
 from tests.tiny_models import rel_error
 from tests.vision_models import build_tiny_vlm, run_chunks
 
@@ -30,15 +28,8 @@ def test_moe_vlm_tensor_and_expert_parallel_match_single_process(tmp_path: Path)
     (tmp_path / "out").mkdir()
     env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     env |= {"LONGCTX_THREADS": "1", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "tests.vision_ranks", str(t.path), str(tmp_path / "out"), "--modes", "tp,ep"]
-    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
-    procs = []
-    for r in range(2):
-        with open(logs[r], "wb") as log:
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, stderr=log))
-    for r, p in enumerate(procs):
-        p.wait(timeout=300)
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r].read_text()[-3000:]}"
+    argv = [str(t.path), str(tmp_path / "out"), "--modes", "tp,ep"]
+    run_ranks("tests.vision_ranks", argv, env, [tmp_path / f"rank{r}.log" for r in range(2)], timeout_s=300)
 
     requests = vision_ranks.inputs(t.path)
     runner = parallel_ranks.sharded_runner(t.model)
