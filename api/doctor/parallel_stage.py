@@ -2,18 +2,18 @@
 whole experts per rank), over `--pipeline-parallel-size` stages, and over both together (P x T
 ranks) must give the single-process logits, within 1e-4 in float32.
 
-The ranks are separate processes started the way torchrun would (`api/doctor/parallel_worker.py`,
-gloo on CPU, NCCL on CUDA); each runs the fixed prompts and reports the checkpoint bytes it read
-and its time per step; under tensor parallelism every rank reports logits, under pipeline
-parallelism global rank 0 does (the logits come back to it).
+The ranks are separate processes with the environment torchrun would give them
+(`api/doctor/parallel_worker.py`, gloo on CPU, NCCL on CUDA), forked from a process that
+imported torch once (`engine/distributed/forked.py`: 8 ranks for the three layouts); each runs
+the fixed prompts and reports the checkpoint bytes it read and its time per step; under tensor
+parallelism every rank reports logits, under pipeline parallelism global rank 0 does (the
+logits come back to it).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,11 +24,12 @@ from api.doctor.capture import rel_error
 from api.doctor.context import DoctorContext
 from api.doctor.report import StageResult
 from api.doctor.tolerance import threshold
+from engine.distributed.forked import start_ranks, wait_ranks
 from engine.distributed.launch import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600
 FLOAT32_LIMIT = 1e-4
+PRELOAD = ("api.doctor.capture", "engine.loading.loader")  # what a rank imports besides torch
 
 
 class Layout(NamedTuple):
@@ -62,29 +63,17 @@ def launch(ctx: DoctorContext, out: Path, layout: Layout) -> list[dict[str, Any]
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(n),
         "LOCAL_WORLD_SIZE": str(n),
-        "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
     }
     if opts.threads:
         env["LONGCTX_THREADS"] = str(opts.threads)
-    cmd = [sys.executable, "-m", "api.doctor.parallel_worker", str(ctx.loaded.source.path), str(out),
-           "--world-size", str(layout.tensor_parallel), "--pipeline-size", str(layout.stages),
-           "--dtype", ctx.dtype_name, "--device", opts.device, "--prompts", json.dumps(ctx.prompts)]  # fmt: skip
+    argv = [str(ctx.loaded.source.path), str(out), "--world-size", str(layout.tensor_parallel),
+            "--pipeline-size", str(layout.stages), "--dtype", ctx.dtype_name, "--device", opts.device,
+            "--prompts", json.dumps(ctx.prompts)]  # fmt: skip
     if opts.expert_parallel and layout.tensor_parallel > 1:
-        cmd.append("--expert-parallel")
-    logs = [out / f"rank{r}.log" for r in range(n)]
-    procs = []
-    for r in range(n):
-        with open(logs[r], "wb") as log:  # a file, not a pipe: a full pipe would block the rank
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, stderr=log))
-    try:
-        for r, p in enumerate(procs):
-            p.wait(timeout=TIMEOUT_S)
-            if p.returncode != 0:
-                raise RuntimeError(f"rank {r} exited with {p.returncode}: {logs[r].read_text()[-1500:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        argv.append("--expert-parallel")
+    logs = [out / f"rank{r}.log" for r in range(n)]  # files, not pipes: a full pipe would block the rank
+    procs = start_ranks("api.doctor.parallel_worker", argv, env, logs, preload=PRELOAD)
+    wait_ranks(procs, logs, TIMEOUT_S)
     return [torch.load(out / f"rank{r}.pt") for r in range(n)]
 
 
@@ -102,7 +91,7 @@ def parallel_stage(ctx: DoctorContext, st: StageResult) -> None:
         with tempfile.TemporaryDirectory(prefix="longctx-doctor-") as tmp:
             try:
                 results = launch(ctx, Path(tmp), layout)
-            except (RuntimeError, subprocess.TimeoutExpired) as e:
+            except RuntimeError as e:
                 st.fail(f"the {layout.name} run failed: {e}")
                 return
         for r, res in enumerate(results):
