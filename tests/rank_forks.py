@@ -8,17 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.distributed.forked import start_ranks, wait_ranks
+from engine.distributed import forked
 
 # Dynamo and inductor for the compiled modes: about 2 s a rank otherwise.
 PRELOAD = ("torch._dynamo", "torch._inductor.compile_fx", "tests.parallel_ranks", "tests.vision_ranks")
 
 
-def run_ranks(module: str, argv: list[str], env: dict[str, str], logs: list[Path], timeout_s: float) -> None:
-    """Ranks 0..len(logs)-1 running `module.main(argv)` with `env` (plus each one's RANK and
-    LOCAL_RANK) as their whole environment, stderr to their logs; fails naming a rank that failed."""
-    procs = start_ranks(module, argv, env, logs, preload=PRELOAD)
-    try:
-        wait_ranks(procs, logs, timeout_s)
-    except RuntimeError as e:
-        raise AssertionError(str(e)) from None
+def run_ranks(module: str, argv: list[str], logs: list[Path], env: dict[str, str], timeout_s: float) -> None:
+    """`engine.distributed.forked.run_ranks` with these preloads: ranks 0..len(logs)-1 of one
+    group, `env` added to their environment, stderr to their logs; fails naming a rank that failed."""
+    forked.run_ranks(module, argv, logs, timeout_s, env, preload=PRELOAD)

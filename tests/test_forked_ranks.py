@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.distributed.forked import start_ranks, wait_ranks
+from engine.distributed.forked import run_ranks, start_ranks, wait_ranks
 
 MODULE = "tests.forked_rank_main"
 
@@ -20,10 +20,9 @@ def _logs(tmp_path: Path, n: int) -> list[Path]:
 
 
 def test_each_rank_gets_its_environment_argv_and_log(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "MARK"} | {"WORLD_SIZE": "3", "MARK": "m1"}
     logs = _logs(tmp_path, 3)
     argv = [str(tmp_path), "ok", "ok", "ok"]
-    wait_ranks(start_ranks(MODULE, argv, env, logs), logs, timeout_s=120)
+    run_ranks(MODULE, argv, logs, timeout_s=120, env={"MARK": "m1"})
     for r in range(3):
         assert (tmp_path / f"rank{r}.txt").read_text() == f"{r} 3 m1 {argv}"
         assert logs[r].read_text().strip().endswith(f"rank {r} to its log")
@@ -32,7 +31,7 @@ def test_each_rank_gets_its_environment_argv_and_log(tmp_path: Path) -> None:
 
 def test_a_failed_rank_is_named_and_a_hung_one_killed(tmp_path: Path) -> None:
     logs = _logs(tmp_path, 2)
-    procs = start_ranks(MODULE, [str(tmp_path), "hang", "fail"], dict(os.environ), logs)
+    procs = start_ranks(MODULE, [str(tmp_path), "hang", "fail"], logs)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank 1 exited with 3: .*rank 1 fails on purpose"):
         wait_ranks(procs, logs, timeout_s=300)
@@ -42,7 +41,7 @@ def test_a_failed_rank_is_named_and_a_hung_one_killed(tmp_path: Path) -> None:
 
 def test_a_rank_past_the_deadline_is_named(tmp_path: Path) -> None:
     logs = _logs(tmp_path, 2)
-    procs = start_ranks(MODULE, [str(tmp_path), "ok", "hang"], dict(os.environ) | {"WORLD_SIZE": "2"}, logs)
+    procs = start_ranks(MODULE, [str(tmp_path), "ok", "hang"], logs)
     with pytest.raises(RuntimeError, match=r"rank 1 did not finish within 5 s"):
         wait_ranks(procs, logs, timeout_s=5)
     assert procs[0].exitcode == 0 and procs[1].exitcode is not None and procs[1].exitcode < 0

@@ -30,7 +30,6 @@ from transformers import (
     Qwen2MoeForCausalLM,
 )
 
-from engine.distributed.launch import free_port
 from engine.distributed.parallel import ParallelContext, split_range
 from engine.engine import Engine
 from engine.loading.safetensors_file import read_header, read_tensor, read_tensor_part
@@ -72,11 +71,10 @@ def launch_ranks(
 ) -> dict[str, list[dict[str, Any]]]:
     """The ranks as separate processes with torchrun's environment (forked from a process that has
     imported torch: `tests/rank_forks.py`); their results per mode."""
-    env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size)}
-    env |= {"LONGCTX_THREADS": "1", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world_size)}
+    env = {"LONGCTX_THREADS": "1", "OMP_NUM_THREADS": "1"}
     argv = ["logits", str(model), str(out), "--modes", ",".join(modes)]
     logs = [out / f"rank{r}.log" for r in range(world_size)]  # files, not pipes: a full pipe would block a rank
-    run_ranks("tests.parallel_ranks", argv, env, logs, timeout_s=600)  # both ranks compiling cold passed 120 s
+    run_ranks("tests.parallel_ranks", argv, logs, env, timeout_s=600)  # both ranks compiling cold passed 120 s
     return {m: [torch.load(out / f"rank{r}-{m}.pt") for r in range(world_size)] for m in modes}
 
 

@@ -5,13 +5,11 @@ without images through the engine (rank 0 encodes; the features travel in the st
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine.distributed.launch import free_port
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from tests import parallel_ranks, vision_ranks
@@ -26,10 +24,9 @@ def test_moe_vlm_tensor_and_expert_parallel_match_single_process(tmp_path: Path)
     torch.set_num_threads(1)
     t = build_tiny_vlm("qwen3_vl", tmp_path / "model")
     (tmp_path / "out").mkdir()
-    env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    env |= {"LONGCTX_THREADS": "1", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2", "HF_HUB_OFFLINE": "1"}
+    env = {"LONGCTX_THREADS": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     argv = [str(t.path), str(tmp_path / "out"), "--modes", "tp,ep"]
-    run_ranks("tests.vision_ranks", argv, env, [tmp_path / f"rank{r}.log" for r in range(2)], timeout_s=300)
+    run_ranks("tests.vision_ranks", argv, [tmp_path / f"rank{r}.log" for r in range(2)], env, timeout_s=300)
 
     requests = vision_ranks.inputs(t.path)
     runner = parallel_ranks.sharded_runner(t.model)

@@ -13,7 +13,6 @@ logits come back to it).
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,8 +23,7 @@ from api.doctor.capture import rel_error
 from api.doctor.context import DoctorContext
 from api.doctor.report import StageResult
 from api.doctor.tolerance import threshold
-from engine.distributed.forked import start_ranks, wait_ranks
-from engine.distributed.launch import free_port
+from engine.distributed.forked import run_ranks
 
 TIMEOUT_S = 600
 FLOAT32_LIMIT = 1e-4
@@ -57,23 +55,14 @@ def layouts(tensor_parallel: int, stages: int) -> list[Layout]:
 def launch(ctx: DoctorContext, out: Path, layout: Layout) -> list[dict[str, Any]]:
     opts = ctx.options
     n = layout.tensor_parallel * layout.stages
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")}
-    env |= {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": str(n),
-        "LOCAL_WORLD_SIZE": str(n),
-    }
-    if opts.threads:
-        env["LONGCTX_THREADS"] = str(opts.threads)
+    env = {"LONGCTX_THREADS": str(opts.threads)} if opts.threads else {}
     argv = [str(ctx.loaded.source.path), str(out), "--world-size", str(layout.tensor_parallel),
             "--pipeline-size", str(layout.stages), "--dtype", ctx.dtype_name, "--device", opts.device,
             "--prompts", json.dumps(ctx.prompts)]  # fmt: skip
     if opts.expert_parallel and layout.tensor_parallel > 1:
         argv.append("--expert-parallel")
     logs = [out / f"rank{r}.log" for r in range(n)]  # files, not pipes: a full pipe would block the rank
-    procs = start_ranks("api.doctor.parallel_worker", argv, env, logs, preload=PRELOAD)
-    wait_ranks(procs, logs, TIMEOUT_S)
+    run_ranks("api.doctor.parallel_worker", argv, logs, TIMEOUT_S, env, preload=PRELOAD)
     return [torch.load(out / f"rank{r}.pt") for r in range(n)]
 
 

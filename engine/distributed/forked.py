@@ -6,9 +6,10 @@ compiles) again: 2-3 s of CPU per rank, 8 ranks for the doctor's TP=2, PP=2 and 
 Here they are children of multiprocessing's fork server, a fresh interpreter that imports the
 `preload` modules once and forks a rank per request; it has run no torch operation and started
 no OpenMP or CUDA context, so forking it is safe. A rank still gets what torchrun would give a
-process: its own environment (RANK, WORLD_SIZE, MASTER_*), stderr to its own log, the exit status
-of its `main`. Ranks that run a server (`longctx serve`, `generate`) are started by
-`engine/distributed/launch.py` as before (the command line run again, or under torchrun).
+process: its own environment (RANK, WORLD_SIZE, MASTER_*, set here for the whole group), stderr
+to its own log, the exit status of its `main`. Ranks that run a server (`longctx serve`,
+`generate`) are started by `engine/distributed/launch.py` as before (the command line run again,
+or under torchrun).
 
 The fork server is one per process: the modules it preloads are those of every request made
 before it started (a module it lacks is imported in the rank, as before).
@@ -26,7 +27,11 @@ from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+from engine.distributed.launch import rendezvous_env
+
 BASE_PRELOAD = ("torch",)
+# What torchrun sets for one process; a group started here gets its own.
+PER_PROCESS = ("RANK", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")
 _preload: list[str] = []
 
 
@@ -51,18 +56,34 @@ def _rank_main(module: str, argv: list[str], env: dict[str, str], log: str) -> N
 
 
 def start_ranks(
-    module: str, argv: list[str], env: dict[str, str], logs: list[Path], preload: tuple[str, ...] = ()
+    module: str, argv: list[str], logs: list[Path], env: dict[str, str] | None = None, preload: tuple[str, ...] = ()
 ) -> list[BaseProcess]:
-    """Ranks 0..len(logs)-1 running `module.main(argv)`, each with `env` plus its RANK and
-    LOCAL_RANK as its whole environment and its stderr appended to its log."""
+    """Ranks 0..len(logs)-1 of one group running `module.main(argv)`, each with its stderr
+    appended to its log and as its whole environment this process's (less torchrun's
+    per-process variables, should this process have been started by it), `env`, the group's
+    rendezvous (`launch.rendezvous_env`) and its RANK and LOCAL_RANK."""
     ctx = _context((*preload, module))
+    inherited = {k: v for k, v in os.environ.items() if k not in PER_PROCESS}
+    group = inherited | (env or {}) | rendezvous_env(len(logs))
     procs: list[BaseProcess] = []
     for r, log in enumerate(logs):
-        rank_env = env | {"RANK": str(r), "LOCAL_RANK": str(r)}
+        rank_env = group | {"RANK": str(r), "LOCAL_RANK": str(r)}
         proc = ctx.Process(target=_rank_main, args=(module, argv, rank_env, str(log)), name=f"rank{r}")
         proc.start()
         procs.append(proc)
     return procs
+
+
+def run_ranks(
+    module: str,
+    argv: list[str],
+    logs: list[Path],
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    preload: tuple[str, ...] = (),
+) -> None:
+    """`start_ranks`, then `wait_ranks`: returns once every rank exited 0."""
+    wait_ranks(start_ranks(module, argv, logs, env, preload), logs, timeout_s)
 
 
 def wait_ranks(procs: list[BaseProcess], logs: list[Path], timeout_s: float) -> None:

@@ -42,12 +42,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rendezvous_env(world_size: int) -> dict[str, str]:
+    """What torchrun sets alike for every rank of a group on this machine (a free port for the
+    store rank 0 hosts); each rank adds its RANK and LOCAL_RANK."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size)}  # fmt: skip
+
+
 def spawn_ranks(world_size: int) -> dict[int, subprocess.Popen[bytes]]:
     """Re-run this process's command line as ranks 1..N-1; this process becomes rank 0."""
-    port = free_port()
-    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size)}
-    base |= {"LOCAL_WORLD_SIZE": str(world_size)}
-    os.environ.update(base | {"RANK": "0", "LOCAL_RANK": "0"})
+    os.environ.update(rendezvous_env(world_size) | {"RANK": "0", "LOCAL_RANK": "0"})
     children = {}
     for r in range(1, world_size):
         env = os.environ | {"RANK": str(r), "LOCAL_RANK": str(r)}
