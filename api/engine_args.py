@@ -102,6 +102,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="KV pages waiting to be written to Redis; more are dropped, never waited for",
     )
     p.add_argument(
+        "--kv-prefetch-bytes",
+        type=parse_bytes,
+        default=EngineConfig.kv_prefetch_bytes,
+        help="host memory for KV pages read ahead from Redis for requests waiting for room in the pool "
+        "(0 = none; default: --kv-cache-bytes, at most 1GiB)",
+    )
+    p.add_argument(
         "--kv-lookup-timeout",
         type=float,
         default=EngineConfig.kv_lookup_timeout_s,
@@ -211,6 +218,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         kv_redis_url=args.kv_redis_url,
         kv_redis_ttl=args.kv_redis_ttl,
         kv_redis_max_pending_bytes=args.kv_redis_max_pending_bytes,
+        kv_prefetch_bytes=args.kv_prefetch_bytes,
         kv_lookup_timeout_s=args.kv_lookup_timeout,
         kv_dtype=args.kv_dtype,
         compile=want_compile(args),

@@ -4,7 +4,9 @@ Per cell: `k` x as many conversations as the device pool holds (k = 2, 4, 8), 4 
 first prompt of `--conv-tokens`, then each turn adds the previous output and `--new-tokens`), all
 of a turn's conversations submitted at once to one engine; the Redis tier behind a pipelined
 proxy adding 0, 5 or 50 ms to every reply (`tests/delay_proxy.py`: replies are held back, never
-serialized, no bandwidth cap); the host tier on (holding every conversation) or off. Reported
+serialized, no bandwidth cap); the host tier on (holding every conversation) or off; with Redis
+the only tier, waiting requests' pages read ahead into host memory (`--kv-prefetch-bytes`, the
+default) or not (`--prefetches on,off`; "on" alone with the host tier). Reported
 per cell: the share of each later turn's previous prompt + output served from cache (min and
 mean over later turns), TTFT p50/p95 of later turns against a cold prefill of a first prompt
 alone (same engine settings, measured first) and against the same turns recomputed (per
@@ -63,6 +65,7 @@ class Runner:
         a: Any,
         prefix: str = "",
         reuse: bool = True,
+        prefetch: bool = True,
     ):
         from engine.engine import Engine, EngineConfig
 
@@ -72,6 +75,7 @@ class Runner:
             kv_cache_bytes=pool_pages * per_page, host_cache_bytes=host_pages * per_page,
             kv_redis_url=redis_url, kv_redis_prefix=prefix or f"longctx-bench-{uuid.uuid4().hex[:10]}",
             max_num_batched_tokens=a.budget, threads=a.threads, compile=a.compile, enable_prefix_caching=reuse,
+            kv_prefetch_bytes=None if prefetch else 0,
         )  # fmt: skip
         self.engine = Engine(lm.model, lm.tokenizer, cfg, fingerprint=lm.stats.fingerprint).start()
         self.prefix = cfg.kv_redis_prefix
@@ -105,7 +109,9 @@ class Runner:
         self.engine.shutdown()
 
 
-def run_cell(lm: Any, factor: int, delay_ms: int, host: bool, url: str, a: Any, reuse: bool = True) -> dict[str, Any]:
+def run_cell(
+    lm: Any, factor: int, delay_ms: int, host: bool, url: str, a: Any, reuse: bool = True, prefetch: bool = True
+) -> dict[str, Any]:
     """One cell; `reuse=False`: the same turns recomputed (no prefix cache, no tiers), the
     reference a later turn's TTFT is held to under the same concurrency."""
     from tests.delay_proxy import DelayProxy
@@ -117,7 +123,8 @@ def run_cell(lm: Any, factor: int, delay_ms: int, host: bool, url: str, a: Any, 
     n = factor * a.pool_convs
     proxy = DelayProxy(url, delay_ms / 1000.0, lifetime_s=900) if delay_ms and reuse else None
     tier_url = (proxy.url if proxy else url) if reuse else None
-    runner = Runner(lm, pool_pages, n * conv_pages + 8 if host and reuse else 0, tier_url, a, reuse=reuse)
+    host_pages = n * conv_pages + 8 if host and reuse else 0
+    runner = Runner(lm, pool_pages, host_pages, tier_url, a, reuse=reuse, prefetch=prefetch)
     redis = runner.engine.store.redis if runner.engine.store is not None else None
     prompts = [_tokens(1000 + c, a.conv_tokens, vocab) for c in range(n)]
     previous = [0] * n
@@ -150,6 +157,8 @@ def run_cell(lm: Any, factor: int, delay_ms: int, host: bool, url: str, a: Any, 
     ttfts = [x["ttft_s"] for x in later]
     return {
         "factor": factor, "conversations": n, "pool_pages": pool_pages, "delay_ms": delay_ms, "host": host,
+        "prefetch": prefetch, "read_ahead": stats.get("prefetch", {}).get("stored", 0),
+        "read_ahead_used": stats.get("prefetch", {}).get("hits", 0),
         "reuse": reuse, "min_share": min(shares), "mean_share": sum(shares) / len(shares),
         "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p95_s": _pct(ttfts, 0.95),
         "first_ttft_p50_s": _pct(first, 0.5), "first_ttft_p95_s": _pct(first, 0.95),
@@ -302,6 +311,7 @@ def main() -> None:
     p.add_argument("--factors", default="2,4,8")
     p.add_argument("--delays-ms", default="0,5,50")
     p.add_argument("--hosts", default="off,on")
+    p.add_argument("--prefetches", default="on", help="on,off: Redis-only cells with and without reading ahead")
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
@@ -327,17 +337,20 @@ def main() -> None:
         print(f"cell {factor}x recomputed (no reuse): {time.perf_counter() - t0:.1f} s", flush=True)
         for delay in [int(x) for x in a.delays_ms.split(",")]:
             for host in [h == "on" for h in a.hosts.split(",")]:
-                t0 = time.perf_counter()
-                cells.append(run_cell(lm, factor, delay, host, a.redis_url, a))
-                cells[-1]["wall_s"] = time.perf_counter() - t0
-                print(
-                    f"cell {factor}x +{delay}ms host={'on' if host else 'off'}: {cells[-1]['wall_s']:.1f} s", flush=True
-                )
+                for prefetch in [x == "on" for x in a.prefetches.split(",")] if not host else [True]:
+                    t0 = time.perf_counter()
+                    cells.append(run_cell(lm, factor, delay, host, a.redis_url, a, prefetch=prefetch))
+                    cells[-1]["wall_s"] = time.perf_counter() - t0
+                    print(
+                        f"cell {factor}x +{delay}ms host={'on' if host else 'off'} "
+                        f"read-ahead={'on' if prefetch else 'off'}: {cells[-1]['wall_s']:.1f} s",
+                        flush=True,
+                    )
     # Greedy: every cell's outputs must agree with those of the cell with the same conversations.
     agree = {}
     for c in cells:
         ref = next(r for r in cells if r["factor"] == c["factor"])
-        agree[(c["factor"], c["delay_ms"], c["host"])] = c["outputs"] == ref["outputs"]
+        agree[(c["factor"], c["delay_ms"], c["host"], c["prefetch"])] = c["outputs"] == ref["outputs"]
     breakdown = [restore_breakdown(lm, tier, a.redis_url, a) for tier in ("host", "redis") if a.restore_tokens]
     print(f"\ncold prefill of a {a.conv_tokens}-token first prompt alone: TTFT {cold * 1000:.0f} ms ({lm.dtype})")
     for factor, r in recomputed.items():
@@ -346,22 +359,25 @@ def main() -> None:
             f"{r['ttft_p50_s'] * 1000:.0f} / {r['ttft_p95_s'] * 1000:.0f} ms"
         )
     print(
-        "pool  convs  Redis+  host  later turns cached  later TTFT p50 / p95 (x cold)  "
-        "x recomputed  first turns' TTFT p50 / p95  Redis MB  preempt  unused  queue hits / swapped out  agree"
+        "pool  convs  Redis+  host  ahead  later turns cached  later TTFT p50 / p95 (x cold)  "
+        "x recomputed  first turns' TTFT p50 / p95  Redis MB  preempt  unused  queue hits / swapped out  "
+        "read ahead / used  agree"
     )
     for c in cells:
         unused = sum(c["unused"].values())
-        ok = agree[(c["factor"], c["delay_ms"], c["host"])]
+        ok = agree[(c["factor"], c["delay_ms"], c["host"], c["prefetch"])]
         ref = recomputed[c["factor"]]
         print(
             f"{c['factor']}x  {c['conversations']:5d}  {c['delay_ms']:3d} ms  {'on ' if c['host'] else 'off'}  "
+            f"{'on ' if c['prefetch'] else 'off'}  "
             f"min {c['min_share'] * 100:5.1f}% mean {c['mean_share'] * 100:5.1f}%  "
             f"{c['ttft_p50_s'] * 1000:6.0f} / {c['ttft_p95_s'] * 1000:6.0f} ms "
             f"({c['ttft_p50_s'] / cold:.2f} / {c['ttft_p95_s'] / cold:.2f})  "
             f"{c['ttft_p50_s'] / ref['ttft_p50_s']:.2f} / {c['ttft_p95_s'] / ref['ttft_p95_s']:.2f}  "
             f"{c['first_ttft_p50_s'] * 1000:6.0f} / {c['first_ttft_p95_s'] * 1000:6.0f} ms  "
             f"{c['redis_bytes_read'] / 1e6:7.1f}  {c['preemptions']:7d}  {unused:6d}  "
-            f"{c['redis_queue_hits']:5d} / {c['redis_swapped_out']:5d}  {ok}"
+            f"{c['redis_queue_hits']:5d} / {c['redis_swapped_out']:5d}  "
+            f"{c['read_ahead']:5d} / {c['read_ahead_used']:5d}  {ok}"
         )
     print(f"\nrestore of a {a.restore_tokens}-token turn (+{a.new_tokens} new tokens), seconds:")
     for b in breakdown:

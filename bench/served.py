@@ -8,8 +8,12 @@ For each dtype of ours (float32, bf16, int8, int4 = weight-only linears, bf16 ac
   ceiling, as `bench/engine_throughput.py` runs it), the same chat prompts rendered by the
   model's template.
 Measures: TTFT p50 (a short prompt, a fresh one each time: no prefix-cache hit); decode tokens/s
-after the first token at 1, 4, 16 and 32 concurrent streams (aggregate: tokens after each
-stream's first over the time from the first stream's first token to the last stream's end);
+after the first token at 1, 4, 16 and 32 concurrent streams (aggregate, while all N decode: the
+tokens every stream received from the last stream's first token to the first stream's last
+token, over that time; in process all N prefill in one step and end together, while served
+requests arrive a few ms apart, so the first stream decodes alone while the others prefill and
+the last ones finish alone: that head and tail are left out on both sides, and the whole span,
+from the first stream's first token to the last stream's end, is reported beside it);
 single-stream decode after a 2k (and, without `--quick`, a 7k: the demo model's context is
 8,192) token prompt; `longctx generate`'s single-stream decode (after its first token reached
 stdout, the median of three runs). Greedy, so served and in-process generate the same text: the
@@ -85,6 +89,13 @@ class Stream:
         self.end = 0.0
         self.tokens = 0
         self.text = ""
+        self.events: list[tuple[float, int]] = []  # (when, tokens) of each chunk that carried tokens
+
+    def got(self, n: int) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.events.append((now, n))
 
 
 def summarize(name: str, streams: list[Stream]) -> dict[str, Any]:
@@ -93,7 +104,15 @@ def summarize(name: str, streams: list[Stream]) -> dict[str, Any]:
     firsts = [s.first for s in streams if s.first is not None]
     after = sum(max(0, s.tokens - 1) for s in streams)
     span = max(s.end for s in streams) - min(firsts) if firsts else 0.0
-    return {"tokens_per_s": after / span if span > 0 else 0.0, "tokens": sum(s.tokens for s in streams)}
+    whole = after / span if span > 0 else 0.0
+    # while all N decode: (last first token, first last token]
+    lo = max(firsts) if len(firsts) == len(streams) else None
+    hi = min(s.events[-1][0] for s in streams) if all(s.events for s in streams) else None
+    if lo is None or hi is None or hi <= lo:
+        steady = whole  # a stream ended before another's first token: no such window
+    else:
+        steady = sum(n for s in streams for t, n in s.events if lo < t <= hi) / (hi - lo)
+    return {"tokens_per_s": steady, "whole_span_tokens_per_s": whole, "tokens": sum(s.tokens for s in streams)}
 
 
 def collect(rows: list[tuple[str, list[Stream]]]) -> dict[str, Any]:
@@ -102,7 +121,9 @@ def collect(rows: list[tuple[str, list[Stream]]]) -> dict[str, Any]:
     out["ttft_p50_ms"] = statistics.median(ttfts) if ttfts else None
     for name, streams in rows:
         if name != "ttft":
-            out[name] = summarize(name, streams)["tokens_per_s"]
+            summary = summarize(name, streams)
+            out[name] = summary["tokens_per_s"]
+            out[name + "_whole_span"] = summary["whole_span_tokens_per_s"]
     out["texts"] = [s.text for n, ss in rows if n.startswith("decode") for s in ss]
     return out
 
@@ -123,8 +144,7 @@ async def _served_rows(url: str, quick: bool) -> list[tuple[str, list[Stream]]]:
         )  # fmt: skip
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
-                if s.first is None:
-                    s.first = time.perf_counter()
+                s.got(1)
                 s.text += chunk.choices[0].delta.content
             if chunk.usage is not None:
                 s.tokens = chunk.usage.completion_tokens
@@ -233,8 +253,8 @@ def run_in_process(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
             self.s = s
 
         def push(self, out: Any) -> None:
-            if out.token_ids and self.s.first is None:
-                self.s.first = time.perf_counter()
+            if out.token_ids:
+                self.s.got(len(out.token_ids))
             self.s.tokens += len(out.token_ids)
             self.s.text += out.text_delta
             if out.finish_reason is not None:
@@ -350,6 +370,9 @@ def report(results: dict[str, Any]) -> None:
         s, i = r.get("served", {}), r.get("in_process", {})
         ratios = [f"{(s.get(m) or 0) / i[m]:.2f}" if i.get(m) else "-" for m in METRICS[1:]]
         print(f"{dtype + ' served/in':<22}{'':>13}" + "".join(f"{x:>13}" for x in ratios))
+        spans = [f"{(s.get(m + '_whole_span') or 0) / i[m + '_whole_span']:.2f}" if i.get(m + "_whole_span") else "-"
+                 for m in METRICS[1:]]  # fmt: skip
+        print(f"{'  (whole span)':<22}{'':>13}" + "".join(f"{x:>13}" for x in spans))
         g = r.get("generate")
         if g is not None:
             print(f"{dtype + ' generate':<22}{'':>13}{g.get('decode_1') or float('nan'):>13.1f}")

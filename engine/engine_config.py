@@ -21,6 +21,9 @@ class EngineConfig:
     kv_redis_prefix: str = "kv"  # keys are {prefix}:{namespace}:{page hash}
     kv_dtype: str = "auto"  # storage dtype in the host and Redis tiers: auto (the model's) or int8
     kv_redis_max_pending_bytes: int = 256 << 20  # page copies waiting to be written to Redis; more are dropped
+    # Host memory that pages of waiting requests are read into from Redis ahead of their
+    # admission (0 = none; None = `kv_cache_bytes`, at most 1 GiB): `kvstore.tiers.TieredStore.prefetch`.
+    kv_prefetch_bytes: int | None = None
     kv_lookup_timeout_s: float = 5.0  # the longest a request waits for host/Redis pages (less when recomputing wins)
     # The prefill rate a lookup's wait is weighed against (tokens/s): 0 = measured from the steps
     # (`engine/scheduling/prefill_rate.py`); a fixed rate pins that choice (a known device's rate).
@@ -53,5 +56,7 @@ class EngineConfig:
             raise ValueError("host_cache_bytes must be >= 0 and kv_redis_ttl >= 1")
         if self.recompute_tokens_per_s < 0:
             raise ValueError(f"recompute_tokens_per_s must be >= 0, got {self.recompute_tokens_per_s}")
+        if self.kv_prefetch_bytes is not None and self.kv_prefetch_bytes < 0:
+            raise ValueError(f"kv_prefetch_bytes must be >= 0 (or None), got {self.kv_prefetch_bytes}")
         if self.kv_redis_max_pending_bytes < 0 or self.kv_lookup_timeout_s < 0:
             raise ValueError("kv_redis_max_pending_bytes and kv_lookup_timeout_s must be >= 0")

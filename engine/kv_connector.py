@@ -10,7 +10,8 @@ are offered to `save` (write-behind: it must never block the step), pages matche
 device pool are offered to `touch` (an outer tier keeps them alive), pages whose device
 memory is about to be reused are offered to `evict` (the host tier keeps a copy), and a
 preempted request's pages, before they are freed, to `swap_out` (Redis keeps a copy when it
-is the only tier).
+is the only tier). Pages of requests that wait for room in the pool may be read ahead into host
+memory (`prefetch`), so that their lookup, once admitted, finds them at hand.
 `kvstore.tiers.TieredStore` provides the host and Redis tiers; `NoConnector` has nothing.
 
 The deadline of a lookup comes from its cost (`lookup_plan`): a request waits for a tier
@@ -80,6 +81,14 @@ class KVConnector(Protocol):
     def fetch_cost_s(self, num_pages: int) -> float:
         """Expected seconds for a lookup of `num_pages` pages (measured by the tiers)."""
 
+    def prefetch_pages(self) -> int:
+        """How many pages may be read ahead for waiting requests (0: no reading ahead)."""
+
+    def prefetch(self, page_hashes: list[bytes]) -> bool:
+        """Start reading these leading pages of a request that waits for room in the pool into
+        host memory, so that its lookup finds them at hand (must not block the step). False
+        when nothing is read."""
+
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         """Offer full, computed device pages for storage (must not block the step)."""
 
@@ -109,6 +118,12 @@ class NoConnector:
 
     def fetch_cost_s(self, num_pages: int) -> float:
         return 0.0
+
+    def prefetch_pages(self) -> int:
+        return 0
+
+    def prefetch(self, page_hashes: list[bytes]) -> bool:
+        return False
 
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         return None

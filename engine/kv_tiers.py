@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from engine.scheduling.scheduler import Scheduler
 
 
+PREFETCH_CAP_BYTES = 1 << 30  # the default read-ahead buffer: the device pool's size, at most this
+
 # ModelConfig fields that change no K or V value: token ids only name where generation stops,
 # and the checkpoint's dtype is covered by the weights digest and the compute dtype.
 _NOT_NUMERICS = {"bos_token_id": None, "eos_token_ids": (), "dtype": ""}
@@ -75,7 +77,8 @@ def reclaim_window(config: ModelConfig) -> int | None:
 
 def build_tiers(kv_cache: KVCache, namespace: Namespace, config: EngineConfig) -> TieredStore:
     """The host tier (`host_cache_bytes`, 0 = none) and the Redis tier (`kv_redis_url`, at most
-    `kv_redis_max_pending_bytes` of pages queued for writing) behind the pool."""
+    `kv_redis_max_pending_bytes` of pages queued for writing) behind the pool, with waiting
+    requests' pages read ahead from Redis into `kv_prefetch_bytes` of host memory."""
     if config.kv_redis_url and not namespace.weights:
         raise ValueError("the Redis KV tier needs the model's fingerprint (LoadStats.fingerprint)")
     codec = PageCodec(kv_cache.spec, namespace.kv_dtype, namespace.key)
@@ -88,7 +91,10 @@ def build_tiers(kv_cache: KVCache, namespace: Namespace, config: EngineConfig) -
             config.kv_redis_prefix,
             config.kv_redis_max_pending_bytes,
         )
-    return TieredStore(kv_cache, codec, config.host_cache_bytes, redis)
+    prefetch = config.kv_prefetch_bytes
+    if prefetch is None:  # enough for the pool's next admissions to find every page at hand, up to 1 GiB
+        prefetch = min(config.kv_cache_bytes, PREFETCH_CAP_BYTES)
+    return TieredStore(kv_cache, codec, config.host_cache_bytes, redis, prefetch)
 
 
 def kv_stats(pool: BlockPool, scheduler: Scheduler, store: TieredStore | None) -> dict[str, dict[str, int]]:
@@ -103,4 +109,5 @@ def kv_stats(pool: BlockPool, scheduler: Scheduler, store: TieredStore | None) -
         out["host"] = asdict(store.host.counters)
         if store.redis is not None:
             out["redis"] = asdict(store.redis.counters)
+            out["prefetch"] = asdict(store.staged.counters)  # stored: read ahead; hits: used
     return out

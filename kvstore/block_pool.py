@@ -119,6 +119,15 @@ class BlockPool:
             pages.append(page)
         return pages
 
+    def num_cached(self, hashes: list[bytes]) -> int:
+        """How many of the leading `hashes` name a page here (nothing is shared or moved)."""
+        n = 0
+        for h in hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
     def _drop_hash(self, page: int, page_hash: bytes) -> None:
         del self.cached[page_hash]
         self.page_hash[page] = None

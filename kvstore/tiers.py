@@ -6,6 +6,11 @@ computed by the engine are written behind
 to Redis. A lookup takes the leading pages found in host memory at once, and asks Redis for
 the rest on a background thread; the engine admits the request when that completes.
 
+Pages of requests still waiting for room in the pool may be read from Redis ahead of their
+admission (`prefetch`, on a thread of its own) into a staging buffer in host memory
+(`staged`, its own byte budget, LRU); a lookup takes them from there at once, as it takes
+host pages, so a request admitted after a queue does not then wait for Redis.
+
 A request preempted with Redis as the only lower tier hands the writer its pages that Redis
 lacks before they are freed (`swap_out`), and until the writer has stored a page, lookups read
 its queued copy (`kvstore.page_ledger`): a swap, not a recompute.
@@ -91,6 +96,20 @@ class HostTier:
             self.counters.kept += sum(out)
         return out
 
+    def take_prefix(self, hashes: list[bytes]) -> list[Payload]:
+        """Remove and return the payloads of the leading `hashes` held here (a staging buffer's
+        pages are used once: they move into the device pool)."""
+        out = []
+        with self._lock:
+            for h in hashes:
+                payload = self._pages.pop(h, None)
+                if payload is None:
+                    break
+                self.num_bytes -= len(payload)
+                out.append(payload)
+            self.counters.hits += len(out)
+        return out
+
     def get_prefix(self, hashes: list[bytes]) -> list[Payload]:
         """Payloads of the leading `hashes` held here (stops at the first miss)."""
         out = []
@@ -112,9 +131,10 @@ class _Fetch:
     longer follows the whole read. `take` stops it (waiting for a batch copy under way), so no
     page is written once the scheduler may free it."""
 
-    def __init__(self, store: TieredStore, host: list[Payload]):
+    def __init__(self, store: TieredStore, host: list[Payload], staged: int = 0):
         self.store = store
-        self.host = host
+        self.host = host  # payloads at hand: the host tier's, then `staged` read ahead from Redis
+        self.staged = staged
         self.remote: Future[None] | None = None
         self.arrived: list[Payload] = []  # appended by the lookup thread
         self.cancel = threading.Event()
@@ -154,13 +174,13 @@ class _Fetch:
         return len(self.payloads)
 
     def sources(self) -> tuple[int, int]:
-        n_host = min(len(self.host), len(self.payloads))
+        n_host = min(len(self.host) - self.staged, len(self.payloads))
         return n_host, len(self.payloads) - n_host
 
     def load(self, pages: list[int]) -> None:
         if not pages:
             return
-        n_host = min(len(self.host), len(pages))
+        n_host = min(len(self.host) - self.staged, len(pages))
         self.store.host.counters.hits += n_host
         if self.store.redis is not None:
             self.store.redis.counters.loaded += len(pages) - n_host
@@ -184,14 +204,26 @@ class TieredStore:
         codec: page encoding (storage dtype, namespace).
         host_cache_bytes: host tier budget (0 = no host tier).
         redis: the Redis tier, or None.
+        prefetch_bytes: budget of the staging buffer that `prefetch` reads Redis pages into
+            (0 = no reading ahead; unused without Redis).
     """
 
-    def __init__(self, kv_cache: KVCache, codec: PageCodec, host_cache_bytes: int = 0, redis: RedisTier | None = None):
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        codec: PageCodec,
+        host_cache_bytes: int = 0,
+        redis: RedisTier | None = None,
+        prefetch_bytes: int = 0,
+    ):
         self.kv_cache = kv_cache
         self.codec = codec
         self.host = HostTier(host_cache_bytes)
         self.redis = redis
+        self.staged = HostTier(prefetch_bytes if redis is not None else 0)
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="longctx-kv-lookup") if redis else None
+        # Reading ahead has a thread of its own: a request being admitted never queues behind it.
+        self._prefetches = ThreadPoolExecutor(1, thread_name_prefix="longctx-kv-prefetch") if redis else None
         # Touched pages still in device memory: hash -> page, until the page is evicted (at most
         # one entry per device page).
         self._resident: dict[bytes, int] = {}
@@ -204,17 +236,54 @@ class TieredStore:
 
     def fetch(self, page_hashes: list[bytes], remote: bool = True) -> _Fetch | None:
         """Host pages at once; with `remote`, Redis is asked for the rest on the lookup thread."""
-        if not page_hashes or (self.host.budget_bytes == 0 and (self.redis is None or not remote)):
+        if not page_hashes or (self.host.budget_bytes == 0 and self.redis is None):
             return None
         host = self.host.get_prefix(page_hashes)
-        fetch = _Fetch(self, host)
-        rest = page_hashes[len(host) :]
+        staged = self.staged.take_prefix(page_hashes[len(host) :]) if self.staged.num_bytes else []
+        if not host and not staged and not remote:
+            return None
+        fetch = _Fetch(self, host + staged, len(staged))
+        rest = page_hashes[len(host) + len(staged) :]
         if rest and remote and self.redis is not None and self._lookups is not None and self.redis.readable():
             fetch.remote = self._lookups.submit(
                 self.redis.get_prefix, rest, fetch.arrived, fetch.cancel, fetch.copy_arrived
             )
             fetch.remote.add_done_callback(self._fetched)
         return fetch
+
+    def prefetch_pages(self) -> int:
+        """How many pages the staging buffer holds (0: no reading ahead)."""
+        if self.redis is None or not self.redis.readable():
+            return 0
+        return self.staged.budget_bytes // self.redis.value_bytes
+
+    def prefetch(self, page_hashes: list[bytes]) -> bool:
+        """Read these leading pages of a waiting request from Redis into the staging buffer, on
+        the prefetch thread, batch by batch; those the host tier or the buffer hold already are
+        not read. False when nothing is read (no Redis, reads down, no budget)."""
+        if not page_hashes or self._prefetches is None or not self.prefetch_pages():
+            return False
+        i = 0
+        while i < len(page_hashes) and (self.host.holds(page_hashes[i]) or self.staged.holds(page_hashes[i])):
+            i += 1
+        rest = page_hashes[i:]
+        if not rest:
+            return False
+        self._prefetches.submit(self._read_ahead, rest)
+        return True
+
+    def _read_ahead(self, page_hashes: list[bytes]) -> None:
+        assert self.redis is not None
+        arrived: list[Payload] = []
+        done = [0]
+
+        def stage() -> None:
+            for h, payload in zip(page_hashes[done[0] :], arrived[done[0] :], strict=False):
+                self.staged.put(h, payload)
+            done[0] = len(arrived)
+
+        self.redis.get_prefix(page_hashes, arrived, threading.Event(), stage)
+        stage()
 
     def fetch_tail(
         self, page_hashes: list[bytes], first_needed: Callable[[int], int], beyond: int, remote: bool = True
@@ -352,7 +421,8 @@ class TieredStore:
             self.kv_cache.write_pages(pages, self.codec.to_tensor(payloads))
 
     def close(self) -> None:
-        if self._lookups is not None:
-            self._lookups.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._lookups, self._prefetches):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         if self.redis is not None:
             self.redis.close()

@@ -109,6 +109,12 @@ class FakeConnector:
     def fetch_cost_s(self, num_pages: int) -> float:
         return 1e6  # slow, but recomputing in the Sim is slower still: wait up to the timeout
 
+    def prefetch_pages(self) -> int:
+        return 0
+
+    def prefetch(self, page_hashes: list[bytes]) -> bool:
+        return False
+
     def swap_out(self, page_hashes: list[bytes], pages: list[int]) -> int:
         return 0
 

@@ -138,6 +138,14 @@ def test_kv_tier_flags() -> None:
     assert EngineConfig().kv_redis_max_pending_bytes == 256 << 20 and EngineConfig().kv_lookup_timeout_s == 5.0
     args = p.parse_args(["--kv-redis-max-pending-bytes", "64MiB", "--kv-lookup-timeout", "0.5"])
     assert (args.kv_redis_max_pending_bytes, args.kv_lookup_timeout) == (64 << 20, 0.5)
+    # reading ahead: the pool's size up to 1 GiB by default, 0 = off, a size as given
+    from api.engine_args import engine_config
+
+    assert default.kv_prefetch_bytes is None and engine_config(default).kv_prefetch_bytes is None
+    assert engine_config(p.parse_args(["--kv-prefetch-bytes", "0"])).kv_prefetch_bytes == 0
+    assert engine_config(p.parse_args(["--kv-prefetch-bytes", "32MiB"])).kv_prefetch_bytes == 32 << 20
+    with pytest.raises(ValueError, match="kv_prefetch_bytes"):
+        EngineConfig(kv_prefetch_bytes=-1)
 
 
 def test_structured_run_keeps_special_tokens_for_a_special_marker(tmp_path: Path, demo_gguf: Path) -> None:

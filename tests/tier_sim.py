@@ -109,6 +109,12 @@ class DelayedTier:
     def fetch_cost_s(self, num_pages: int) -> float:
         return 1e-6 * num_pages
 
+    def prefetch_pages(self) -> int:
+        return self.store.prefetch_pages()
+
+    def prefetch(self, page_hashes: list[bytes]) -> bool:
+        return self.store.prefetch(page_hashes)
+
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         self.store.save(page_hashes, pages)
 
@@ -133,13 +139,14 @@ class TierSim:
     recompute_s: Callable[[int], float] = lambda n: n / 1000.0
     lookup_timeout_s: float = 5.0
     delay: Callable[[], int] | None = None  # a simulated latency (in polls) before each fetch is ready
+    prefetch_bytes: int = 0  # host memory that waiting requests' pages are read ahead into from Redis
     scheduler_kw: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.kv = KVCache(SPEC, self.num_pages)
         codec = PageCodec(SPEC, NS.kv_dtype, NS.key)
         redis = RedisTier(self.redis_url, codec, 3600, self.redis_prefix) if self.redis_url else None
-        self.store = TieredStore(self.kv, codec, self.host_bytes, redis)
+        self.store = TieredStore(self.kv, codec, self.host_bytes, redis, self.prefetch_bytes)
         self.connector: TieredStore | DelayedTier = self.store
         if self.delay is not None:
             self.connector = DelayedTier(self.store, self.delay)

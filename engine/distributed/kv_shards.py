@@ -120,6 +120,12 @@ class ShardedConnector:
     def fetch_cost_s(self, num_pages: int) -> float:
         return self.store.fetch_cost_s(num_pages)
 
+    def prefetch_pages(self) -> int:
+        return 0  # every rank would have to read ahead the same pages: not done sharded
+
+    def prefetch(self, page_hashes: list[bytes]) -> bool:
+        return False
+
     def save(self, page_hashes: list[bytes], pages: list[int]) -> None:
         self.store.save(page_hashes, pages)
         self.ops.add(("save", list(page_hashes), list(pages)))

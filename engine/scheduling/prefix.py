@@ -21,6 +21,7 @@ from kvstore.block_pool import BlockPool
 from kvstore.prefix import Namespace, find_tail, hash_page, max_cached_pages
 
 SALT_CACHE_SIZE = 4096  # tenants whose salted namespace digest is kept (LRU)
+PREFETCH_DEPTH = 8  # waiting requests, next in line, whose pages may be read ahead at once
 # Why pages a tier returned were not used (`longctx:kv_restored_unused_pages_total{reason}`):
 UNUSED_REASONS = (
     "no_room",  # more arrived than the device pages taken for them
@@ -59,6 +60,8 @@ class PrefixLookup:
     _hashes: dict[Request, list[bytes]]
     _named: dict[Request, int]
     _looked_up: set[Request]
+    _prefetched: dict[Request, int]
+    waiting: list[Request]
     _salts: OrderedDict[str, bytes]
     _pinned: dict[Request, None]  # waiting requests holding their matched and restored pages
     max_pinned_pages: int
@@ -130,6 +133,7 @@ class PrefixLookup:
         if room is None:
             return BLOCKED
         self._looked_up.add(req)
+        self._prefetched.pop(req, None)  # what was read ahead for it is taken now (or never)
         if room == 0:
             return READY
         cost = self.connector.fetch_cost_s(n)
@@ -146,6 +150,32 @@ class PrefixLookup:
         fetch.copy_into(pages)
         self.loading.append(_Loading(req, fetch, time.monotonic() + wait, found, pages))
         return PARKED
+
+    def _prefetch_waiting(self) -> None:
+        """Read ahead, from Redis into host memory, the pages of the waiting requests next in
+        line (key order, `PREFETCH_DEPTH` at most) that have not been looked up yet, within the
+        connector's staging budget, while fetching them is expected to beat recomputing: the
+        pool has no room for them now, and when it has, their lookup finds the pages at hand
+        instead of waiting for Redis after the queue already made them wait."""
+        if self.namespace is None or self.window is not None:
+            return
+        budget = self.connector.prefetch_pages()
+        if budget <= 0:
+            return
+        used = sum(self._prefetched.values())
+        for req in self.waiting[:PREFETCH_DEPTH]:
+            if used >= budget:
+                return
+            if req in self._prefetched or req in self._looked_up or req in self._pinned:
+                continue
+            limit = max_cached_pages(req.num_tokens, self.page_size)
+            hashes = self._page_hashes(req, limit)
+            found = self.pool.num_cached(hashes)
+            n = min(limit - found, budget - used)
+            worth = n > 0 and self.connector.fetch_cost_s(n) < self.recompute_s(n * self.page_size)
+            started = worth and self.connector.prefetch(hashes[found : found + n])
+            self._prefetched[req] = n if started else 0
+            used += self._prefetched[req]
 
     def _lookup_room(self, req: Request, n: int) -> int | None:
         """How many of the `n` pages after a request's cached ones its lookup may take: all `n`

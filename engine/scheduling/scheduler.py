@@ -136,6 +136,7 @@ class Scheduler(PrefixLookup):
         self._hashes: dict[Request, list[bytes]] = {}  # hashes of each request's full pages
         self._named: dict[Request, int] = {}  # leading pages already named (registered) in the pool
         self._looked_up: set[Request] = set()  # asked the connector since added or preempted: not again
+        self._prefetched: dict[Request, int] = {}  # waiting requests whose pages are read ahead: how many
         self._salts: OrderedDict[str, bytes] = OrderedDict()
 
     def add(self, req: Request) -> None:
@@ -208,6 +209,7 @@ class Scheduler(PrefixLookup):
             if state == PARKED:
                 self.waiting.remove(req)  # parked in self.loading
                 self._pinned.pop(req, None)
+                self._prefetched.pop(req, None)
                 continue
             if state == BLOCKED:
                 others = [r for r in self._pinned if r is not req]
@@ -230,6 +232,7 @@ class Scheduler(PrefixLookup):
                 break
             self.waiting.remove(req)
             self._pinned.pop(req, None)
+            self._prefetched.pop(req, None)
             if self.namespace is not None:
                 self._count_admission(req)
             req.pages.append(self.pool.allocate(need))
@@ -239,6 +242,8 @@ class Scheduler(PrefixLookup):
             chunks.append(ScheduledChunk(req, n, req.num_computed + n == req.num_tokens))
             budget -= n
         self.running.sort(key=self.key)
+        if self.waiting:
+            self._prefetch_waiting()
         return chunks
 
     def _make_room(self, req: Request, n: int, planned: set[Request], preempted: set[Request]) -> int:
@@ -318,4 +323,5 @@ class Scheduler(PrefixLookup):
         self._release(req)
         self._hashes.pop(req, None)
         self._looked_up.discard(req)
+        self._prefetched.pop(req, None)
         self._order.pop(req, None)
