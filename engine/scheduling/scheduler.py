@@ -29,7 +29,9 @@ found in the device pool by content hash (shared, reference counted), then, once
 admission, asks the KV connector (host and Redis tiers) for the pages that follow. A lookup
 starts only when the pool has room for the pages it would restore (free beyond `_promised`,
 and within `max_pinned_pages` for all waiting and loading requests together, unless nothing
-else holds pages); else the request waits at the head (`BLOCKED`). The device pages a remote
+else holds pages); else the request waits at the head (`BLOCKED`), and the pages of the next
+requests in line are read ahead into host memory meanwhile (`_prefetch_waiting`: the
+connector's `prefetch`), so that their lookup finds them at hand once admitted. The device pages a remote
 fetch fills are taken when it starts, so nothing can reclaim them meanwhile. It runs off the
 step thread: the request is parked in `loading` while the others keep stepping, and when the
 fetch completes (or at a deadline, with what had arrived) the pages are copied in and named by
