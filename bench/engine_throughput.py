@@ -438,12 +438,38 @@ def run_transformers(dtype: str, quick: bool) -> dict[str, Any]:
 # ---------------------------------------------------------------- llama.cpp
 
 
+def llama_gguf(dtype: str) -> Path:
+    """The demo GGUF as llama.cpp runs it: `q4_1` as shipped; `q8_0` requantized from it by
+    llama.cpp's own quantizer (once, kept beside the models): its 8-bit format, for comparing
+    bytes per weight like for like with our int8 (the values come from the 4-bit ones; only
+    the speed is compared)."""
+    from engine.loading.model_source import longctx_home, pull_demo
+
+    src = pull_demo()
+    if dtype == "q4_1":
+        return src
+    if dtype != "q8_0":
+        raise ValueError(f"llama.cpp runs q4_1 or q8_0, not {dtype!r}")
+    dst = longctx_home() / "bench" / f"{src.stem}.requantized-q8_0.gguf"
+    if not dst.exists():
+        import ctypes
+
+        import llama_cpp
+
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, True, THREADS
+        tmp = dst.with_suffix(".part")
+        if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError("llama.cpp could not requantize the demo model to q8_0")
+        tmp.rename(dst)
+    return dst
+
+
 def run_llama_cpp(dtype: str, quick: bool) -> dict[str, Any]:
     from llama_cpp import Llama
 
-    from engine.loading.model_source import pull_demo
-
-    llm = Llama(model_path=str(pull_demo()), n_ctx=4096, n_threads=THREADS, n_batch=512, verbose=False)
+    llm = Llama(model_path=str(llama_gguf(dtype)), n_ctx=4096, n_threads=THREADS, n_batch=512, verbose=False)
     out: dict[str, Any] = {}
     for n in PREFILL_LENGTHS:
         ids = llm.tokenize(" ".join(f"Item {i}: the quick brown fox." for i in range(n)).encode())[:n]

@@ -18,8 +18,10 @@ single-stream decode after a 2k (and, without `--quick`, a 7k: the demo model's 
 8,192) token prompt; `longctx generate`'s single-stream decode (after its first token reached
 stdout, the median of three runs). Greedy, so served and in-process generate the same text: the
 run reports how many of its streams agree (a speed figure counts only beside that agreement).
-llama.cpp (Q4_1, the same GGUF) runs through its own generation loop in the interpreter
-`--llama-python` names (one with llama-cpp-python), and is skipped with a note otherwise.
+llama.cpp (Q4_1, the same GGUF; and Q8_0, requantized from it by llama.cpp's own quantizer: its
+8-bit format, against which our int8 is compared byte for byte as well) runs through its own
+generation loop in the interpreter `--llama-python` names (one with llama-cpp-python), and is
+skipped with a note otherwise.
 Prints a table with served / in-process and the targets' verdicts, and writes JSON to
 bench/results/served.json. Timing runs belong under `flock -x`.
 
@@ -310,10 +312,10 @@ def run_generate(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"decode_1": statistics.median(rates), "runs": rates}
 
 
-def run_llama_cpp(python: str, quick: bool, threads: int) -> dict[str, Any]:
+def run_llama_cpp(python: str, quick: bool, threads: int, dtype: str = "q4_1") -> dict[str, Any]:
     """llama.cpp's own loop (`bench/engine_throughput.py`'s worker) in an interpreter that has it."""
     env = {**os.environ, "LONGCTX_BENCH_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
-    cmd = [python, str(ROOT / "bench" / "engine_throughput.py"), "--worker", "llama.cpp", "q4_1"]
+    cmd = [python, str(ROOT / "bench" / "engine_throughput.py"), "--worker", "llama.cpp", dtype]
     cmd += ["--quick"] if quick else []
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     try:
@@ -351,6 +353,7 @@ TARGETS = [  # (what, served key, against, bound)
     ("int4 single-stream served / in-process", "int4", "decode_1", "in", 0.9),
     ("int4 served / llama.cpp", "int4", "decode_1", "llama", 1.0),
     ("int8 served / llama.cpp", "int8", "decode_1", "llama", 0.8),
+    ("int8 served / llama.cpp q8_0 (8-bit against 8-bit; no target)", "int8", "decode_1", "llama_q8_0", None),
     ("bf16 16 streams served / in-process", "bfloat16", "decode_16", "in", 0.9),
 ]
 
@@ -381,14 +384,15 @@ def report(results: dict[str, Any]) -> None:
         if split:
             print(f"{dtype} served, server-side means: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
     lc = results.get("llama.cpp", {})
-    if "error" in lc:
-        print(f"llama.cpp: skipped ({lc['error'][-200:]})")
-    else:
-        print(
-            f"{'llama.cpp q4_1':<22}{'':>13}{lc.get('decode_1', 0):>13.1f}"
-            + " " * 39
-            + f"{lc.get('decode_1_2k', 0):>13.1f}"
-        )
+    for name, row in (("llama.cpp q4_1", lc), ("llama.cpp q8_0", results.get("llama.cpp q8_0"))):
+        if row is None:
+            continue
+        if "error" in row:
+            print(f"{name}: skipped ({row['error'][-200:]})")
+        else:
+            print(
+                f"{name:<22}{'':>13}{row.get('decode_1', 0):>13.1f}" + " " * 39 + f"{row.get('decode_1_2k', 0):>13.1f}"
+            )
     print("\ntargets:")
     verdicts = {}
     for what, dtype, key, against, bound in TARGETS:
@@ -396,12 +400,14 @@ def report(results: dict[str, Any]) -> None:
         if r is None:
             continue
         served = r.get("served", {}).get(key)
-        base = r.get("in_process", {}).get(key) if against == "in" else lc.get(key)
+        bases = {"in": r.get("in_process", {}), "llama": lc, "llama_q8_0": results.get("llama.cpp q8_0", {})}
+        base = bases[against].get(key)
         if not served or not base:
             verdicts[what] = "not measured"
         else:
             ratio = served / base
-            verdicts[what] = f"{ratio:.2f} ({'met' if ratio >= bound else 'MISSED'}, >= {bound})"
+            verdict = f" ({'met' if ratio >= bound else 'MISSED'}, >= {bound})" if bound else ""
+            verdicts[what] = f"{ratio:.2f}{verdict}"
         print(f"  {what}: {verdicts[what]}")
     for dtype, r in results["ours"].items():
         s, i = r.get("served", {}), r.get("in_process", {})
@@ -449,6 +455,8 @@ def main() -> None:
         results["ours"][dtype] = r
         print(f"{dtype}: done at {time.perf_counter() - t0:.0f} s", flush=True)
     results["llama.cpp"] = run_llama_cpp(args.llama_python, args.quick, args.threads)
+    if "int8" in results["ours"]:
+        results["llama.cpp q8_0"] = run_llama_cpp(args.llama_python, args.quick, args.threads, "q8_0")
     results["seconds"] = time.perf_counter() - t0
     results["loadavg"] = os.getloadavg()
     report(results)

@@ -142,6 +142,16 @@ def test_sharded_server_answers_dies_naming_the_rank_and_restarts_from_its_slice
         turn = client.responses.create(model="tiny", conversation=conv.id, input=NOTES, temperature=0,
                                        max_output_tokens=4)  # fmt: skip
         assert turn.usage is not None and turn.usage.input_tokens > 200
+        # Each rank's writer stores its slices within about a second; a turn's commit waits only
+        # `--kv-commit-wait-ms` (50) for them and marks the rest pending. Killing rank 1 before its
+        # writer is done would lose its queued slices: the kill waits for both to land.
+        deadline, before = time.monotonic() + 30, dict[str, int]()
+        while time.monotonic() < deadline:
+            landed = _pages_by_namespace(redis_url, f"{prefix}:kv:")
+            if len(landed) == 2 and len(set(landed.values())) == 1 and landed == before:
+                break  # the same count in both, and no longer growing
+            before = landed
+            time.sleep(0.3)
         text = log.read_text()
         spawned = re.search(r"spawned rank 1 \(pid (\d+)\)", text)
         assert spawned is not None, first.log_tail()
