@@ -1,20 +1,27 @@
 """Reading a waiting request's pages ahead from Redis into host memory (`TieredStore.prefetch`),
 on a real Redis: the read fills the staging buffer within its budget, skips pages host memory
 holds, and a later lookup takes the staged pages at once (no Redis read), counted as Redis's;
-a sharded or Redis-less store reads nothing ahead."""
+a Redis-less store reads nothing ahead; and on a real model, queued turns generate the same
+from pages read ahead."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from engine.engine import Engine, EngineConfig
+from engine.sampling_params import SamplingParams
 from kvstore.codec import PageCodec
 from kvstore.kv_cache import KVCache
 from kvstore.redis_tier import RedisTier
 from kvstore.spec import KVSpec
 from kvstore.tiers import TieredStore
 from tests.redis_server import shared_redis
+from tests.test_prefix import SLOW_RECOMPUTE, fingerprint_of, page_bytes
+from tests.tiny_models import TinyModel, build_tiny
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtype="float32")
 PAGE_BYTES = SPEC.bytes_per_page
@@ -91,3 +98,50 @@ def test_nothing_is_read_ahead_without_redis_or_budget() -> None:
             assert store.prefetch_pages() == 0 and not store.prefetch(hashes)
         finally:
             store.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[TinyModel, str]:
+    t = build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path_factory.mktemp("read-ahead"))
+    return t, fingerprint_of(t.path)
+
+
+def test_queued_turns_generate_the_same_from_pages_read_ahead(tiny: tuple[TinyModel, str]) -> None:
+    """A tiny Llama (float32) with Redis the only tier and a pool for about two of six
+    conversations: the later turns, queued behind the running ones, take pages read ahead while
+    they waited, and generate token for token what the same turns generate with nothing read
+    ahead (greedy); every reference comes back."""
+    t, fp = tiny
+    g = torch.Generator().manual_seed(5)
+    firsts = [torch.randint(0, t.config.vocab_size, (100,), generator=g).tolist() for _ in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def run(prefix: str, url: str, read_ahead: int) -> tuple[list[list[int]], dict[str, int]]:
+        cfg = EngineConfig(
+            kv_cache_bytes=20 * page_bytes(t.config), kv_redis_url=url, kv_redis_prefix=prefix,
+            kv_prefetch_bytes=read_ahead, recompute_tokens_per_s=SLOW_RECOMPUTE,
+        )  # fmt: skip
+        e = Engine(t.model, None, cfg, fingerprint=fp)
+        try:
+            prompts, outputs = [list(p) for p in firsts], []
+            for turn in range(3):
+                handles = [e.add_request(p, params) for p in prompts]
+                e.run_until_idle()
+                results = [h.result()[0] for h in handles]
+                outputs += results
+                assert e.store is not None and e.store.redis is not None and e.store.redis.flush(30)
+                prompts = [
+                    p + r + [(7 * turn + c) % t.config.vocab_size] * 9
+                    for c, (p, r) in enumerate(zip(prompts, results, strict=True))
+                ]
+            assert e.pool.num_free == e.pool.num_pages and not any(e.pool.ref_counts)
+            return outputs, e.kv_stats()["prefetch"]
+        finally:
+            e.shutdown()
+
+    with shared_redis() as (url, prefix):
+        plain, none = run(prefix + ":plain", url, 0)
+        ahead, stats = run(prefix + ":ahead", url, 64 * page_bytes(t.config))
+    assert none["stored"] == 0
+    assert stats["stored"] > 0 and stats["hits"] > 0, stats
+    assert ahead == plain
