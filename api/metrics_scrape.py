@@ -166,6 +166,11 @@ class ScrapeCollector:
             for key, value in counters.items():
                 yield _counter(f"longctx:kv_{tier}_{key}_total", f"{tier} {key}", value)
         yield _gauge("longctx:kv_host_bytes", "bytes of KV pages in the host tier", engine.host_bytes)
+        yield _gauge(
+            "longctx:kv_prefetch_bytes",
+            "bytes of KV pages read ahead from Redis for waiting requests",
+            engine.prefetch_bytes,
+        )
         stats = engine.stats.snapshot()
         for field, (name, help) in ENGINE_HISTOGRAMS.items():
             yield _histogram(name, help, getattr(stats, field))

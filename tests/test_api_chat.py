@@ -308,8 +308,10 @@ def test_metrics(server: Server, client: openai.OpenAI, model: str) -> None:
     queue = "longctx:engine_queue_time_seconds_count"
     assert after[queue] >= before.get(queue, 0) + 1
     assert after["longctx:model_load_bytes_per_second"] > 0 and after["longctx:process_resident_memory_bytes"] > 0
-    for gauge in ("num_requests_loading", "kv_pages_used", "kv_host_bytes"):
+    for gauge in ("num_requests_loading", "kv_pages_used", "kv_host_bytes", "kv_prefetch_bytes"):
         assert f"longctx:{gauge}" in after
+    for counter in ("stored", "hits", "evicted"):  # pages read ahead from the KV Redis, used, dropped
+        assert f"longctx:kv_prefetch_{counter}_total" in after
     for reason in ("no_room", "unpinned", "pin_budget", "aborted"):  # restored pages left unused
         assert f'longctx:kv_restored_unused_pages_total{{reason="{reason}"}}' in after
     with client.responses.stream(model=model, input="Hi", max_output_tokens=3, temperature=0) as events:

@@ -136,6 +136,7 @@ class EngineClient(Generates):
         self.stats = _Stats()
         self._kv: dict[str, dict[str, int]] = {}
         self.host_bytes = 0
+        self.prefetch_bytes = 0
         self.channel = Histogram(CHANNEL_BUCKETS)
         self.info: EngineInfo | None = None
         # The compiled step's report as the engine last sent it (None: eager, or not yet known);
@@ -317,6 +318,7 @@ class EngineClient(Generates):
                         self._on_outputs(msg)
                     elif isinstance(msg, wire.Metrics):
                         self.stats.last, self._kv, self.host_bytes = msg.stats, msg.kv, msg.host_bytes
+                        self.prefetch_bytes = msg.prefetch_bytes
                     elif isinstance(msg, wire.Compiled):
                         self._on_compiled(pickle.loads(msg.payload))
                     elif isinstance(msg, wire.Started):

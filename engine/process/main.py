@@ -243,7 +243,8 @@ class CoreLoop:
         e = self.engine
         self._metrics_at = time.monotonic()
         host = e.store.host.num_bytes if e.store is not None else 0
-        self.push.send(self.wire.encoder.encode(self.wire.Metrics(e.stats.snapshot(), e.kv_stats(), host)))
+        staged = e.store.staged.num_bytes if e.store is not None else 0
+        self.push.send(self.wire.encoder.encode(self.wire.Metrics(e.stats.snapshot(), e.kv_stats(), host, staged)))
 
     def run(self) -> None:
         e = self.engine

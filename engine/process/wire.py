@@ -139,6 +139,7 @@ class Metrics(msgspec.Struct, tag="metrics", array_like=True):
     stats: StatsSnapshot
     kv: dict[str, dict[str, int]]
     host_bytes: int = 0  # KV pages held in the host tier
+    prefetch_bytes: int = 0  # KV pages read ahead from Redis for waiting requests, not yet taken
 
 
 class Started(msgspec.Struct, tag="started", array_like=True):
