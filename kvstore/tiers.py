@@ -235,13 +235,13 @@ class TieredStore:
             redis.writer.rewrite = self._copy_for_rewrite
 
     def fetch(self, page_hashes: list[bytes], remote: bool = True) -> _Fetch | None:
-        """Host pages at once; with `remote`, Redis is asked for the rest on the lookup thread."""
-        if not page_hashes or (self.host.budget_bytes == 0 and self.redis is None):
+        """Host pages, then pages read ahead (`prefetch`), at once; with `remote`, Redis is asked
+        for the rest on the lookup thread. None when there is nowhere to look."""
+        nowhere = self.host.budget_bytes == 0 and not self.staged.num_bytes and (self.redis is None or not remote)
+        if not page_hashes or nowhere:
             return None
         host = self.host.get_prefix(page_hashes)
         staged = self.staged.take_prefix(page_hashes[len(host) :]) if self.staged.num_bytes else []
-        if not host and not staged and not remote:
-            return None
         fetch = _Fetch(self, host + staged, len(staged))
         rest = page_hashes[len(host) + len(staged) :]
         if rest and remote and self.redis is not None and self._lookups is not None and self.redis.readable():

@@ -7,6 +7,7 @@ from pages read ahead."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -35,9 +36,9 @@ def _filled(n: int, seed: int) -> KVCache:
     return kv
 
 
-def _wait(cond: object, timeout_s: float = 10.0) -> None:
+def _wait(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
     end = time.monotonic() + timeout_s
-    while not cond():  # type: ignore[operator]
+    while not cond():
         assert time.monotonic() < end, "timed out"
         time.sleep(0.005)
 
