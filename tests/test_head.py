@@ -1,7 +1,8 @@
 """The LM head's float32 logits (`engine/model/head.py`): every product it may take (VDPBF16PS or
-widened bf16, int8 tiles, the block-widened fallbacks) against the float64 product of the same
-values, with float32 sums kept, never rounded to bf16; and the demo model's France question,
-whose first token was a bf16 tie."""
+widened bf16, int8 tiles: int16 x int8 with AVX512-VNNI or widened, the block-widened
+fallbacks) against the float64 product of the same values, with float32 sums kept, never
+rounded to bf16 (with VNNI, within the int16 activations' rounding); and the demo model's
+France question, whose first token was a bf16 tie."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from engine.model.quant import QuantConfig, QuantLinear
 from engine.model_runner import Chunk
 from engine.verify.paths import runner_for
 from kvstore.block_pool import BlockPool
+from tests.kernel_bounds import int16_rounding
 
 SHAPES = [(1, 160, 64), (3, 48, 576), (4, 80, 32), (17, 33, 48), (40, 64, 64), (70, 200, 96)]
 
@@ -63,7 +65,13 @@ def test_int8_head_keeps_float32_sums(product: str, m: int, n: int, k: int) -> N
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     q, s = layer.qweight.double(), layer.scales.double()
     y = quantized_float32(layer, x)
-    _float32_exact(y, (x.double() @ q.T) * s, (x.double().abs() @ q.abs().T) * s)
+    exact, terms = (x.double() @ q.T) * s, (x.double().abs() @ q.abs().T) * s
+    if product == "kernel" and cpu_kernel.int8_vnni():  # x's rows as int16: exact integer sums after
+        assert y.dtype == torch.float32
+        bound = terms * 2e-6 + int16_rounding(x, layer.qweight, layer.scales)
+        assert bool(((y.double() - exact).abs() <= bound).all())
+    else:
+        _float32_exact(y, exact, terms)
     assert torch.equal(head_logits(layer, w, x), y)
 
 

@@ -168,7 +168,7 @@ def test_quantized_model_equals_its_dequantized_weights(tiny: TinyModel, mode: Q
     with torch.profiler.profile() as prof:
         runner.run([Chunk(ids[10:11], pages, 11)])
     kernel = "aten::_weight_int8pack_mm" if mode.mode == "int8" else "aten::_weight_int4pack_mm_for_cpu"
-    int8 = ("aten::_weight_int8pack_mm", "longctx::linear_int8")  # the latter on CPUs emulating bf16
+    int8 = ("aten::_weight_int8pack_mm", "longctx::linear_int8")  # the latter with AVX512-VNNI or emulated bf16
     calls = sum(e.count for e in prof.key_averages() if e.key in (kernel, *int8))
     linears = sum(1 for m in model.modules() if isinstance(m, QuantLinear))
     if tiny.config.moe is not None:

@@ -65,6 +65,7 @@ _linear_bf16: Callable[..., torch.Tensor] | None = None
 _linear_int8: Callable[..., torch.Tensor] | None = None
 _linear_bf16_f32: Callable[..., torch.Tensor] | None = None
 _linear_int8_f32: Callable[..., torch.Tensor] | None = None
+_int8_vnni = False
 _prefill_paths: dict[tuple[torch.dtype, int], bool] = {}  # (dtype, head dim) -> the build has a path
 _failed: str | None = None
 
@@ -142,7 +143,7 @@ def _build(cxx: str, so: Path) -> None:
 
 def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
     """`torch.ops.longctx.paged_decode`, built under `build_dir` if needed; None if it cannot be."""
-    global _op, _store, _prefill, _linear_bf16, _linear_int8, _linear_bf16_f32, _linear_int8_f32, _failed
+    global _op, _store, _prefill, _linear_bf16, _linear_int8, _linear_bf16_f32, _linear_int8_f32, _int8_vnni, _failed
     with _lock:
         if _op is not None or _failed is not None:
             return _op
@@ -175,8 +176,9 @@ def load(build_dir: Path) -> Callable[..., torch.Tensor] | None:
             ops = torch.ops.longctx
             _linear_bf16, _linear_int8 = ops.linear_bf16, ops.linear_int8
             _linear_bf16_f32, _linear_int8_f32 = ops.linear_bf16_f32, ops.linear_int8_f32
+            _int8_vnni = bool(ops.linear_int8_vnni())
             torch.library.register_fake("longctx::linear_bf16", _linear_shape)
-            torch.library.register_fake("longctx::linear_int8", _linear_shape)
+            torch.library.register_fake("longctx::linear_int8", _int8_shape)
             torch.library.register_fake("longctx::linear_bf16_f32", _float_shape)
             torch.library.register_fake("longctx::linear_int8_f32", _float_shape)
         return _op
@@ -199,9 +201,17 @@ def linear_bf16() -> Callable[..., torch.Tensor] | None:
 
 
 def linear_int8() -> Callable[..., torch.Tensor] | None:
-    """`linear_int8(x [M, K] bf16, w [N, K] int8, scales [N])` (x W^T times each row's scale;
-    float32 sums, bf16 out; K a multiple of 16) once loaded with an AVX-512 build, else None."""
+    """`linear_int8(x [M, K] bf16, w [N, K] int8, scales [N], widen=False)` (x W^T times each row's
+    scale, bf16 out; K a multiple of 16) once loaded with an AVX-512 build, else None. With
+    AVX512-VNNI (`int8_vnni`) x's rows are quantized to int16 and summed exactly in int32 unless
+    `widen`, which widens the codes to float32 (float32 sums of the bf16 values)."""
     return _linear_int8
+
+
+def int8_vnni() -> bool:
+    """Whether the loaded int8 kernels multiply by AVX512-VNNI (x's rows quantized to int16, exact
+    int32 sums; `linear_bf16.cpp`), unless called with `widen=True`."""
+    return _int8_vnni
 
 
 def linear_bf16_f32() -> Callable[..., torch.Tensor] | None:
@@ -212,9 +222,13 @@ def linear_bf16_f32() -> Callable[..., torch.Tensor] | None:
 
 
 def linear_int8_f32() -> Callable[..., torch.Tensor] | None:
-    """`linear_int8_f32(x [M, K] bf16, w [N, K] int8, scales [N])` -> [M, N] float32, as
+    """`linear_int8_f32(x [M, K] bf16, w [N, K] int8, scales [N], widen=False)` -> [M, N] float32, as
     `linear_int8` without the output's bf16 rounding, once loaded with an AVX-512 build, else None."""
     return _linear_int8_f32
+
+
+def _int8_shape(x: torch.Tensor, w: torch.Tensor, *_: object) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
 
 
 def _float_shape(x: torch.Tensor, w: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:

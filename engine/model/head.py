@@ -20,8 +20,9 @@ from torch import nn
 from engine.attention import cpu_kernel
 from engine.model.quant import QuantLinear
 
-# bf16 heads multiply by widening the weight to float32 even where the CPU has VDPBF16PS (the
-# emulated-bf16 CPUs' path; set by `engine/verify/paths.py` to check it on CPUs that do not need it).
+# bf16 heads multiply by widening the weight to float32 even where the CPU has VDPBF16PS, int8
+# heads their codes even where it has AVX512-VNNI (the paths of CPUs without them; set by
+# `engine/verify/paths.py` to check them on CPUs that do not need them).
 FORCE_WIDENED = False
 
 # Weight rows widened at a time where no float32-output kernel serves (a 4096 x 576 block is
@@ -51,7 +52,7 @@ def quantized_float32(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales.float())
     op = cpu_kernel.linear_int8_f32()
     if op is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[1] % 16 == 0:
-        return op(x.contiguous() if x.stride(-1) != 1 else x, layer.qweight, layer.scales)
+        return op(x.contiguous() if x.stride(-1) != 1 else x, layer.qweight, layer.scales, FORCE_WIDENED)
     xf = x.float()
     scales = layer.scales.float().split(_BLOCK_ROWS)
     blocks = layer.qweight.split(_BLOCK_ROWS)

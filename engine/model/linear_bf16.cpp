@@ -12,13 +12,17 @@
 // read from L1 by each group of four rows. Threads take contiguous ranges of 16 weight rows.
 // The same tiles take int8 weights (int8 weight-only linears with bf16 activations, where
 // `_weight_int8pack_mm` is slower on such CPUs): 32 codes sign-extended and converted in two
-// vectors (x's rows then in order), each row's sum times its scale.
+// vectors (x's rows then in order), each row's sum times its scale. With AVX512-VNNI (on every
+// CPU that has it, emulated bf16 or not) int8 weights take `tile_vnni` instead: x's rows
+// quantized to int16 once per call, 32 codes sign-extended to int16 by one instruction and
+// multiplied and summed in pairs by one VPDPWSSD per row of x, exactly, in int32.
 //
 // Registered as torch.ops.longctx.linear_bf16(x [M, K], w [N, K], b [N] or None) -> [M, N],
-// linear_int8(x [M, K] bf16, w [N, K] int8, scales [N]) -> [M, N] bf16 (K a multiple of 16, x's
-// rows and w contiguous), their float32-output forms linear_bf16_f32(x, w, widen=False) and
-// linear_int8_f32(x, w, scales) (the LM head: logits in float32 on every CPU with AVX-512),
-// and linear_bf16_supported() -> bool.
+// linear_int8(x [M, K] bf16, w [N, K] int8, scales [N], widen=False) -> [M, N] bf16 (K a multiple
+// of 16, x's rows and w contiguous; `widen` takes the float32 tiles even with VNNI), their
+// float32-output forms linear_bf16_f32(x, w, widen=False) and linear_int8_f32(x, w, scales,
+// widen=False) (the LM head: logits in float32 on every CPU with AVX-512),
+// linear_bf16_supported() -> bool and linear_int8_vnni() -> bool (the build has `tile_vnni`).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -228,6 +232,104 @@ inline void tail_dp(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, 
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// With AVX512-VNNI, int8 weights against x's rows quantized to int16 by VPDPWSSD: 32 codes
+// sign-extended to int16 by one instruction (instead of two extensions and two conversions to
+// float32), then one instruction per 32 products of a tile's pair of rows, summed exactly in
+// int32. x's rows become int16 codes with one scale per row (`quantize_rows`): x ~= xq * xs,
+// |xq| <= 32767, an error of at most 2^-16 of the row's largest |x| per value, below bf16's own
+// rounding of every value within 2^7 of that largest (and far below the weights' int8 step). A
+// lane sums at most 256 products of |xq w| <= 2^22 between conversions to float32 (every
+// `kFlush` columns), so int32 never overflows.
+constexpr int64_t kFlush = 4096;
+
+inline void quantize_rows(const c10::BFloat16* x, int64_t stride, int64_t M, int64_t K, int16_t* xq, float* xs) {
+  for (int64_t m = 0; m < M; ++m) {
+    const c10::BFloat16* src = x + m * stride;
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(longctx::widen_bf16(src + k)));
+    const float absmax = _mm512_reduce_max_ps(mx);
+    xs[m] = absmax / 32767.f;
+    const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 32767.f / absmax : 0.f);
+    for (int64_t k = 0; k < K; k += 16) {  // rounded to nearest, saturated (x * inv may pass 32767 by an ulp)
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(longctx::widen_bf16(src + k), inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + k), _mm512_cvtsepi32_epi16(q));
+    }
+  }
+}
+
+// 32 int8 codes (16 where `mask` says) sign-extended to int16.
+inline __m512i codes16(const int8_t* p, __mmask32 mask) {
+  return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, p));
+}
+
+template <int MR, int NR, bool kAhead = false>
+inline void tile_vnni(const int16_t* xq, const float* xs, const int8_t* w, int64_t K, int64_t m0, int64_t n0,
+                      const Out& out) {
+  __m512i acc[16];
+  __m512 sums[16];
+  for (int i = 0; i < 16; ++i) sums[i] = _mm512_setzero_ps();
+  const int16_t* xr = xq + m0 * K;
+  const int8_t* wr = w + n0 * K;
+  for (int64_t k0 = 0; k0 < K; k0 += kFlush) {
+    const int64_t k1 = std::min(K, k0 + kFlush);
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k += 32) {
+      const __mmask32 mask = k + 32 <= k1 ? ~__mmask32(0) : __mmask32(0xFFFF);
+      __m512i wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = codes16(wr + j * K + k, mask);
+      if constexpr (kAhead)
+        for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr + (16 + j) * K + k), _MM_HINT_T1);
+      for (int i = 0; i < MR; ++i) {
+        const __m512i xv = _mm512_maskz_loadu_epi16(mask, xr + i * K + k);
+        for (int j = 0; j < NR; ++j) acc[i * NR + j] = _mm512_dpwssd_epi32(acc[i * NR + j], xv, wv[j]);
+      }
+    }
+    for (int i = 0; i < 16; ++i) sums[i] = _mm512_add_ps(sums[i], _mm512_cvtepi32_ps(acc[i]));
+  }
+  alignas(64) float s[16];
+  _mm512_store_ps(s, longctx::sum16(sums));
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out.store(m0 + i, n0 + j, s[i * NR + j] * xs[m0 + i]);
+}
+
+inline void block16_vnni(const int16_t* xq, const float* xs, const int8_t* w, int64_t M, int64_t K, int64_t n0,
+                         const Out& out) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    for (int64_t j = 0; j < 16; j += 4)
+      m == 0 ? tile_vnni<4, 4, true>(xq, xs, w, K, m, n0 + j, out) : tile_vnni<4, 4>(xq, xs, w, K, m, n0 + j, out);
+  for (; m + 2 <= M; m += 2)
+    for (int64_t j = 0; j < 16; j += 8)
+      m == 0 ? tile_vnni<2, 8, true>(xq, xs, w, K, m, n0 + j, out) : tile_vnni<2, 8>(xq, xs, w, K, m, n0 + j, out);
+  for (; m < M; ++m)
+    m == 0 ? tile_vnni<1, 16, true>(xq, xs, w, K, m, n0, out) : tile_vnni<1, 16>(xq, xs, w, K, m, n0, out);
+}
+
+// The last N % 16 weight rows, one row of x at a time.
+inline void tail_vnni(const int16_t* xq, const float* xs, const int8_t* w, int64_t M, int64_t K, int64_t n0,
+                      const Out& out) {
+  for (int64_t n = n0; n < out.N; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t k0 = 0; k0 < K; k0 += kFlush) {
+        const int64_t k1 = std::min(K, k0 + kFlush);
+        __m512i acc = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k1; k += 32) {
+          const __mmask32 mask = k + 32 <= k1 ? ~__mmask32(0) : __mmask32(0xFFFF);
+          acc = _mm512_dpwssd_epi32(acc, _mm512_maskz_loadu_epi16(mask, xq + m * K + k), codes16(w + n * K + k, mask));
+        }
+        sum = _mm512_add_ps(sum, _mm512_cvtepi32_ps(acc));
+      }
+      out.store(m, n, _mm512_reduce_add_ps(sum) * xs[m]);
+    }
+}
+
+constexpr bool kInt8Vnni = true;
+#else
+constexpr bool kInt8Vnni = false;
+#endif
+
 // widen: bf16 weights widened to float32 even where VDPBF16PS is there (the path of CPUs that
 // emulate bf16, forced for tests on CPUs that do not).
 template <typename W>
@@ -246,6 +348,21 @@ void run(const at::Tensor& x, const W* w, int64_t N, const Out& out, bool widen 
     }
   }
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<W, int8_t>) {
+    if (!widen) {
+      std::vector<int16_t> xq(M * K);
+      std::vector<float> xs(M);
+      quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, xq.data(), xs.data());
+      const int64_t blocks = N / 16;
+      longctx::maybe_parallel(blocks, blocks * 16 * K * std::max<int64_t>(M, 4), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) block16_vnni(xq.data(), xs.data(), w, M, K, 16 * i, out);
+      });
+      tail_vnni(xq.data(), xs.data(), w, M, K, 16 * blocks, out);
+      return;
+    }
+  }
+#endif
   std::vector<float> xf(M * K);
   widen_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, Weights<W>::kPairs, xf.data());
   const int64_t blocks = N / 16;
@@ -256,14 +373,17 @@ void run(const at::Tensor& x, const W* w, int64_t N, const Out& out, bool widen 
 }
 
 bool supported() { return true; }
+bool int8_vnni() { return kInt8Vnni; }
 
 #else
 
 bool supported() { return false; }
+bool int8_vnni() { return false; }
 
 #endif
 
 bool linear_bf16_supported() { return supported(); }
+bool linear_int8_vnni() { return int8_vnni(); }
 
 void check_x(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(supported(), "linear kernels: this build has no AVX-512 path");
@@ -304,7 +424,8 @@ at::Tensor bf16_product(const at::Tensor& x, const at::Tensor& w, const std::opt
   return y;
 }
 
-at::Tensor int8_product(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, bool float_out) {
+at::Tensor int8_product(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, bool float_out,
+                        bool widen) {
   check_x(x, w);
   TORCH_CHECK(w.scalar_type() == at::kChar, "w must be int8");
   const int64_t M = x.size(0), N = w.size(0);
@@ -312,7 +433,7 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& w, const at::Tens
   const at::Tensor sc = scales.to(at::kFloat).contiguous();
   at::Tensor y = output(x, N, float_out);
 #if defined(__AVX512F__)
-  if (M > 0 && N > 0) run<int8_t>(x, w.data_ptr<int8_t>(), N, out_for(y, sc.data_ptr<float>(), nullptr, N));
+  if (M > 0 && N > 0) run<int8_t>(x, w.data_ptr<int8_t>(), N, out_for(y, sc.data_ptr<float>(), nullptr, N), widen);
 #endif
   return y;
 }
@@ -325,22 +446,23 @@ at::Tensor linear_bf16_f32(const at::Tensor& x, const at::Tensor& w, bool widen)
   return bf16_product(x, w, std::nullopt, true, widen);
 }
 
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
-  return int8_product(x, w, scales, false);
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, bool widen) {
+  return int8_product(x, w, scales, false, widen);
 }
 
-at::Tensor linear_int8_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
-  return int8_product(x, w, scales, true);
+at::Tensor linear_int8_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, bool widen) {
+  return int8_product(x, w, scales, true, widen);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longctx, m) {
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? b) -> Tensor");
-  m.def("linear_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor w, Tensor scales, bool widen=False) -> Tensor");
   m.def("linear_bf16_f32(Tensor x, Tensor w, bool widen=False) -> Tensor");
-  m.def("linear_int8_f32(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("linear_int8_f32(Tensor x, Tensor w, Tensor scales, bool widen=False) -> Tensor");
   m.def("linear_bf16_supported() -> bool", &linear_bf16_supported);
+  m.def("linear_int8_vnni() -> bool", &linear_int8_vnni);
 }
 
 TORCH_LIBRARY_IMPL(longctx, CPU, m) {

@@ -260,15 +260,22 @@ class Int4Blocks:
 # the cached lookup of the CPU's flags.
 BF16_EMULATED = bf16_emulated()
 
+# int8 products widen the codes to float32 even where the kernel has AVX512-VNNI (the path of
+# AVX-512 CPUs without it; set by `engine.verify.paths.forced` to check that path here).
+FORCE_WIDENED = False
+
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Decode-sized int8 products: `_weight_int8pack_mm`, or where the CPU emulates bf16 and the
-    activations are bf16, `linear_bf16.cpp`'s int8 kernel (the codes widened in registers, the
-    next rows prefetched: the demo model's int8 linears in ~0.55x the time there)."""
+    """Decode-sized int8 products with bf16 activations: `linear_bf16.cpp`'s int8 kernel where
+    the CPU has AVX512-VNNI (x's rows quantized to int16, products summed exactly in int32: one
+    instruction widens 32 codes, one multiplies and sums them) or emulates bf16 (the codes
+    widened to float32 in registers: the demo model's int8 linears in ~0.55x the time there);
+    else, and for float32 activations, `_weight_int8pack_mm`."""
     op = cpu_kernel.linear_int8()
     small = x.shape[0] <= KERNEL_ROWS and x.shape[1] % 16 == 0
-    if BF16_EMULATED and op is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and small:
-        return op(x, q, scales)
+    fast = BF16_EMULATED or cpu_kernel.int8_vnni()
+    if fast and op is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and small:
+        return op(x, q, scales, FORCE_WIDENED)
     return torch.ops.aten._weight_int8pack_mm(x, q, scales)
 
 

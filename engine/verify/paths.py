@@ -5,10 +5,11 @@ picks on the CPU at hand for each product and each attention call. `forced(path)
 take a path it would not pick by itself, where it can run it (an AVX-512 CPU runs the emulated-
 bf16 CPUs' kernels too), by setting the dispatcher's decision points:
 
-- linears: `native` (what this CPU picks: oneDNN prepacked bf16 with AVX512-BF16/AMX,
-  `_weight_int8pack_mm` for int8) or `widened` (bf16 weights widened to float32 in registers,
-  `linear_bf16.cpp`; int8 by its tiles, its prefill-sized products dequantized in float32; the
-  LM head's float32-output kernel widening too);
+- linears: `native` (what this CPU picks: oneDNN prepacked bf16 with AVX512-BF16/AMX; for
+  int8 `linear_bf16.cpp`'s int16 x int8 tiles with AVX512-VNNI, else `_weight_int8pack_mm`) or
+  `widened` (bf16 weights widened to float32 in registers, `linear_bf16.cpp`; int8 codes widened
+  to float32 by its tiles, its prefill-sized products dequantized in float32; the LM head's
+  float32-output kernel widening too);
 - attention: `kernel` (`paged_decode.cpp` / `paged_prefill.cpp`, decode keys split into tasks
   of 32) or `sdpa` (torch's SDPA: causal, after a cached prefix, masked decode; a lone
   sequence's decode split from 128 keys).
@@ -74,6 +75,7 @@ def forced(path: ServingPath) -> Iterator[None]:
     saved = (
         linear.bf16_emulated,
         quant.BF16_EMULATED,
+        quant.FORCE_WIDENED,
         head.FORCE_WIDENED,
     )
     split, min_chunk = torch_paged.SPLIT_FROM, torch_paged.MIN_CHUNK
@@ -81,12 +83,13 @@ def forced(path: ServingPath) -> Iterator[None]:
         if widened:
             linear.bf16_emulated = lambda: True  # type: ignore[assignment]
             quant.BF16_EMULATED = True
+            quant.FORCE_WIDENED = True
             head.FORCE_WIDENED = True
         torch_paged.SPLIT_FROM = 128 if path.attention == "sdpa" else split
         torch_paged.MIN_CHUNK = 32
         yield
     finally:
-        linear.bf16_emulated, quant.BF16_EMULATED, head.FORCE_WIDENED = saved  # type: ignore[assignment]
+        linear.bf16_emulated, quant.BF16_EMULATED, quant.FORCE_WIDENED, head.FORCE_WIDENED = saved  # type: ignore[assignment]
         torch_paged.SPLIT_FROM, torch_paged.MIN_CHUNK = split, min_chunk
 
 
