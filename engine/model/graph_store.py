@@ -8,8 +8,8 @@ wrapper, `CompiledFxGraph.__call__`).
 
 A `GraphStore` copies such a module to `<root>/<key>.so`, with `<key>.json` saying which
 argument of the region feeds each graph input. The key digests what decides the graph: the
-region function, the source of the model package (`engine/model/*.py`, where the regions and
-the linears they call live), the signature of the call's arguments (what dynamo guards on:
+region function, the source of the model package (`engine/model/*.py` and `*.cpp`, where the
+regions and the linears they call live), the signature of the call's arguments (what dynamo guards on:
 dtypes, shapes, strides, aliasing, constants), the versions of torch and Python, the CPU's
 instruction sets and the C++ compiler. A later start with the same key loads the file: no
 trace, no import of inductor, no FX-cache lookup. Only a graph whose direct call gave exactly
@@ -100,9 +100,11 @@ class NativeGraph:
 
 @functools.cache
 def _source_digest() -> str:
-    """The model package's source: the regions, and every linear, norm and RoPE they call."""
+    """The model package's source: the regions, and every linear, norm and RoPE they call, and
+    the linear kernels' C++ (a graph calls their ops by schema: a changed op is a new graph)."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    here = Path(__file__).parent
+    for path in sorted([*here.glob("*.py"), *here.glob("*.cpp")]):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
