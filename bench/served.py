@@ -24,9 +24,14 @@ generation loop in the interpreter `--llama-python` names (one with llama-cpp-py
 skipped with a note otherwise.
 Prints a table with served / in-process and the targets' verdicts, and writes JSON to
 bench/results/served.json. Timing runs belong under `flock -x`.
+`--rounds R` runs served and in process R times each per dtype, alternating which goes first
+(and llama.cpp R times after ours): on a machine whose speed drifts by 10-30% over minutes, one
+served run against one in-process run minutes later measures the drift. The table then shows
+each figure's median over the rounds, and each target its per-round ratios (served against the
+same round's in-process run) with the verdict on their median.
 
     python bench/served.py [--quick] [--dtypes float32,bfloat16,int8,int4] [--no-compile]
-        [--llama-python PATH] [--threads 2] [--generate-dtypes int4]
+        [--llama-python PATH] [--threads 2] [--generate-dtypes int4] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -339,6 +344,41 @@ def _worker(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
         return {"error": r.stderr[-1500:]}
 
 
+def one_round(dtype: str, args: argparse.Namespace, served_first: bool) -> dict[str, dict[str, Any]]:
+    """Served and in process once each, in the order given (rounds alternate it, so a drift of
+    the machine's speed over a run falls on both sides alike)."""
+
+    def served() -> dict[str, Any]:
+        try:
+            return run_served(dtype, args)
+        except Exception as e:
+            return {"error": str(e)}
+
+    if served_first:
+        s = served()
+        return {"served": s, "in_process": _worker(dtype, args)}
+    i = _worker(dtype, args)
+    return {"served": served(), "in_process": i}
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per numeric figure, the median over the rounds that measured it; the rest from the first
+    round (texts, the server-side split); an error if every round failed."""
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
+        return rows[0]
+    out = dict(ok[0])
+    for key, value in ok[0].items():
+        if isinstance(value, float | int) and not isinstance(value, bool):
+            values = [r[key] for r in ok if isinstance(r.get(key), float | int) and r[key] == r[key]]
+            out[key] = statistics.median(values) if values else value
+    return out
+
+
+def without_texts(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k != "texts"}
+
+
 def agreement(a: dict[str, Any], b: dict[str, Any]) -> str:
     ta, tb = a.get("texts", []), b.get("texts", [])
     same = sum(x == y for x, y in zip(ta, tb, strict=False))
@@ -356,6 +396,20 @@ TARGETS = [  # (what, served key, against, bound)
     ("int8 served / llama.cpp q8_0 (8-bit against 8-bit; no target)", "int8", "decode_1", "llama_q8_0", None),
     ("bf16 16 streams served / in-process", "bfloat16", "decode_16", "in", 0.9),
 ]
+
+
+def round_ratios(results: dict[str, Any], r: dict[str, Any], key: str, against: str) -> list[float]:
+    """Each round's served figure over its base: the same round's in-process run, or llama.cpp's
+    run of the same index (llama.cpp runs after ours, once per round)."""
+    rounds = r.get("rounds", [])
+    bases = {"in": [x["in_process"] for x in rounds], "llama": results.get("llama.cpp rounds", []),
+             "llama_q8_0": results.get("llama.cpp q8_0 rounds", [])}[against]  # fmt: skip
+    out = []
+    for x, base in zip(rounds, bases, strict=False):
+        a, b = x["served"].get(key), base.get(key)
+        if a and b:
+            out.append(a / b)
+    return out
 
 
 def report(results: dict[str, Any]) -> None:
@@ -402,7 +456,14 @@ def report(results: dict[str, Any]) -> None:
         served = r.get("served", {}).get(key)
         bases = {"in": r.get("in_process", {}), "llama": lc, "llama_q8_0": results.get("llama.cpp q8_0", {})}
         base = bases[against].get(key)
-        if not served or not base:
+        per_round = round_ratios(results, r, key, against)
+        if per_round:  # each round's ratio (served against the same round's base); the verdict on their median
+            ratio = statistics.median(per_round)
+            verdict = f" ({'met' if ratio >= bound else 'MISSED'}, >= {bound})" if bound else ""
+            met = f"; met in {sum(x >= bound for x in per_round)} of {len(per_round)}" if bound else ""
+            rounds = ", ".join(f"{x:.2f}" for x in per_round)
+            verdicts[what] = f"{ratio:.2f}{verdict} (rounds: {rounds}{met})"
+        elif not served or not base:
             verdicts[what] = "not measured"
         else:
             ratio = served / base
@@ -418,7 +479,17 @@ def report(results: dict[str, Any]) -> None:
                 f"{ratio:.2f} ({'met' if abs(ratio - 1) <= 0.1 else 'MISSED'}, within 10%)"
             )
             print(f"  {dtype} generate vs serve single-stream: {verdicts[f'{dtype} generate / serve']}")
-        if s.get("ttft_p50_ms") and i.get("ttft_p50_ms"):
+        overs = [x["served"]["ttft_p50_ms"] - x["in_process"]["ttft_p50_ms"] for x in r.get("rounds", [])
+                 if x["served"].get("ttft_p50_ms") and x["in_process"].get("ttft_p50_ms")]  # fmt: skip
+        if overs:
+            over = statistics.median(overs)
+            rounds = ", ".join(f"{x:.1f}" for x in overs)
+            verdicts[f"{dtype} TTFT overhead"] = (
+                f"{over:.1f} ms ({'met' if over <= 10 else 'MISSED'}, <= 10 ms) (rounds: {rounds} ms; "
+                f"met in {sum(x <= 10 for x in overs)} of {len(overs)})"
+            )
+            print(f"  {dtype} TTFT overhead of the HTTP path: {verdicts[f'{dtype} TTFT overhead']}")
+        elif s.get("ttft_p50_ms") and i.get("ttft_p50_ms"):
             over = s["ttft_p50_ms"] - i["ttft_p50_ms"]
             verdicts[f"{dtype} TTFT overhead"] = f"{over:.1f} ms ({'met' if over <= 10 else 'MISSED'}, <= 10 ms)"
             print(f"  {dtype} TTFT overhead of the HTTP path: {verdicts[f'{dtype} TTFT overhead']}")
@@ -434,6 +505,11 @@ def main() -> None:
     ap.add_argument("--llama-python", default=sys.executable)
     ap.add_argument("--generate-dtypes", default="int4", help="dtypes whose `longctx generate` is timed too")
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
+    ap.add_argument(
+        "--rounds", type=int, default=1,
+        help="served and in process this many times each, alternating which goes first; the table shows "
+        "medians, the targets each round's ratio too",
+    )  # fmt: skip
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(RESULTS / "served.json"))
     args = ap.parse_args()
@@ -443,20 +519,27 @@ def main() -> None:
     results: dict[str, Any] = {"threads": args.threads, "compiled": not args.no_compile, "ours": {}}
     t0 = time.perf_counter()
     for dtype in args.dtypes.split(","):
-        r: dict[str, Any] = {}
-        try:
-            r["served"] = run_served(dtype, args)
-        except Exception as e:
-            r["served"] = {"error": str(e)}
-        r["in_process"] = _worker(dtype, args)
-        r["agree"] = agreement(r["served"], r["in_process"])
+        rounds = [one_round(dtype, args, served_first=i % 2 == 0) for i in range(args.rounds)]
+        r: dict[str, Any] = {
+            "served": median_row([x["served"] for x in rounds]),
+            "in_process": median_row([x["in_process"] for x in rounds]),
+            "agree": agreement(rounds[0]["served"], rounds[0]["in_process"]),
+        }
+        if args.rounds > 1:
+            r["rounds"] = [{side: without_texts(x[side]) for side in ("served", "in_process")} for x in rounds]
         if dtype in args.generate_dtypes.split(","):
             r["generate"] = run_generate(dtype, args)
         results["ours"][dtype] = r
         print(f"{dtype}: done at {time.perf_counter() - t0:.0f} s", flush=True)
-    results["llama.cpp"] = run_llama_cpp(args.llama_python, args.quick, args.threads)
+    llama = [run_llama_cpp(args.llama_python, args.quick, args.threads) for _ in range(args.rounds)]
+    results["llama.cpp"] = median_row(llama)
+    if args.rounds > 1:
+        results["llama.cpp rounds"] = llama
     if "int8" in results["ours"]:
-        results["llama.cpp q8_0"] = run_llama_cpp(args.llama_python, args.quick, args.threads, "q8_0")
+        q8 = [run_llama_cpp(args.llama_python, args.quick, args.threads, "q8_0") for _ in range(args.rounds)]
+        results["llama.cpp q8_0"] = median_row(q8)
+        if args.rounds > 1:
+            results["llama.cpp q8_0 rounds"] = q8
     results["seconds"] = time.perf_counter() - t0
     results["loadavg"] = os.getloadavg()
     report(results)
