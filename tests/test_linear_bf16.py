@@ -85,6 +85,24 @@ def test_int8_kernel_equals_the_exact_product_rounded(m: int, n: int, k: int, _:
     assert bool(((y.double() - exact).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("widen", [False, True])
+def test_int8_kernel_keeps_nan_and_infinity_visible(widen: bool) -> None:
+    """A row of x holding NaN or infinity gives non-finite products (with VNNI its int16 codes
+    would otherwise be finite), and the other rows are untouched."""
+    op = cpu_kernel.linear_int8()
+    if op is None:
+        pytest.skip("no linear_int8 kernel in this build (needs AVX-512)")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    x[1, 5], x[2, 60] = float("nan"), float("inf")
+    q = torch.randint(-127, 128, (40, 64), generator=g, dtype=torch.int8)
+    scales = torch.full((40,), 0.01, dtype=torch.bfloat16)
+    y = op(x, q, scales, widen)
+    assert not bool(y[1].isfinite().any()) and not bool(y[2].isfinite().any())
+    assert bool(y[0].isfinite().all()) and bool(y[3].isfinite().all())
+    assert torch.equal(y[[0, 3]], op(x[[0, 3]], q, scales, widen))
+
+
 @pytest.fixture
 def widened(monkeypatch: pytest.MonkeyPatch) -> None:
     """Models loaded in bf16 get `WidenedLinear`s whatever this CPU's bf16 support."""

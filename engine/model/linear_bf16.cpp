@@ -33,7 +33,9 @@
 #include "../attention/cpu_vec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -247,9 +249,16 @@ inline void quantize_rows(const c10::BFloat16* x, int64_t stride, int64_t M, int
   for (int64_t m = 0; m < M; ++m) {
     const c10::BFloat16* src = x + m * stride;
     __m512 mx = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(longctx::widen_bf16(src + k)));
+    __mmask16 nan = 0;
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m512 v = longctx::widen_bf16(src + k);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+    }
     const float absmax = _mm512_reduce_max_ps(mx);
-    xs[m] = absmax / 32767.f;
+    // A row holding NaN or infinity gives NaN products, as a float32 product would give NaN or
+    // infinities: never finite codes that hide it.
+    xs[m] = nan == 0 && std::isfinite(absmax) ? absmax / 32767.f : std::numeric_limits<float>::quiet_NaN();
     const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 32767.f / absmax : 0.f);
     for (int64_t k = 0; k < K; k += 16) {  // rounded to nearest, saturated (x * inv may pass 32767 by an ulp)
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(longctx::widen_bf16(src + k), inv));
