@@ -146,17 +146,31 @@ inline void tile(const float* xf, const W* w, int64_t K, int64_t m0, int64_t n0,
     for (int j = 0; j < NR; ++j) out.store(m0 + i, n0 + j, s[i * NR + j]);
 }
 
-// Weight rows n0..n0+15 against every row of x.
+// An output tile's shape: MR rows of x by NR weight rows (MR * NR = 16 accumulators).
+template <int R, int C>
+struct Shape {
+  static constexpr int MR = R, NR = C;
+};
+
+// Weight rows n0..n0+15 against every row of x, as tiles of 4 x 4, then 2 x 8, then 1 x 16:
+// `tile(Shape<MR, NR>{}, ahead, m0, n0)` for each, `ahead` for the first rows' tiles (those
+// prefetch the next 16 weight rows, the next block's). Every kind of tile below is laid out so.
+template <typename Tile>
+inline void tiles16(int64_t M, int64_t n0, const Tile& tile) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    for (int64_t j = 0; j < 16; j += 4) tile(Shape<4, 4>{}, m == 0, m, n0 + j);
+  for (; m + 2 <= M; m += 2)
+    for (int64_t j = 0; j < 16; j += 8) tile(Shape<2, 8>{}, m == 0, m, n0 + j);
+  for (; m < M; ++m) tile(Shape<1, 16>{}, m == 0, m, n0);
+}
+
 template <typename W>
 inline void block16(const float* xf, const W* w, int64_t M, int64_t K, int64_t n0, const Out& out) {
-  int64_t m = 0;  // the first rows' tiles prefetch the next 16 weight rows (the next block's)
-  for (; m + 4 <= M; m += 4)
-    for (int64_t j = 0; j < 16; j += 4)
-      m == 0 ? tile<W, 4, 4, true>(xf, w, K, m, n0 + j, out) : tile<W, 4, 4>(xf, w, K, m, n0 + j, out);
-  for (; m + 2 <= M; m += 2)
-    for (int64_t j = 0; j < 16; j += 8)
-      m == 0 ? tile<W, 2, 8, true>(xf, w, K, m, n0 + j, out) : tile<W, 2, 8>(xf, w, K, m, n0 + j, out);
-  for (; m < M; ++m) m == 0 ? tile<W, 1, 16, true>(xf, w, K, m, n0, out) : tile<W, 1, 16>(xf, w, K, m, n0, out);
+  tiles16(M, n0, [&](auto shape, bool ahead, int64_t m, int64_t n) {
+    using S = decltype(shape);
+    ahead ? tile<W, S::MR, S::NR, true>(xf, w, K, m, n, out) : tile<W, S::MR, S::NR>(xf, w, K, m, n, out);
+  });
 }
 
 // The last N % 16 weight rows, one dot product at a time.
@@ -207,15 +221,10 @@ inline void tile_dp(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, 
 
 inline void block16_dp(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64_t M, int64_t K, int64_t n0,
                        const Out& out) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4)
-    for (int64_t j = 0; j < 16; j += 4)
-      m == 0 ? tile_dp<4, 4, true>(x, xs, w, K, m, n0 + j, out) : tile_dp<4, 4>(x, xs, w, K, m, n0 + j, out);
-  for (; m + 2 <= M; m += 2)
-    for (int64_t j = 0; j < 16; j += 8)
-      m == 0 ? tile_dp<2, 8, true>(x, xs, w, K, m, n0 + j, out) : tile_dp<2, 8>(x, xs, w, K, m, n0 + j, out);
-  for (; m < M; ++m)
-    m == 0 ? tile_dp<1, 16, true>(x, xs, w, K, m, n0, out) : tile_dp<1, 16>(x, xs, w, K, m, n0, out);
+  tiles16(M, n0, [&](auto shape, bool ahead, int64_t m, int64_t n) {
+    using S = decltype(shape);
+    ahead ? tile_dp<S::MR, S::NR, true>(x, xs, w, K, m, n, out) : tile_dp<S::MR, S::NR>(x, xs, w, K, m, n, out);
+  });
 }
 
 // Every row of x against weight rows n0..N-1 (the last N % 16) with 1 x 1 tiles' dot products.
@@ -304,15 +313,10 @@ inline void tile_vnni(const int16_t* xq, const float* xs, const int8_t* w, int64
 
 inline void block16_vnni(const int16_t* xq, const float* xs, const int8_t* w, int64_t M, int64_t K, int64_t n0,
                          const Out& out) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4)
-    for (int64_t j = 0; j < 16; j += 4)
-      m == 0 ? tile_vnni<4, 4, true>(xq, xs, w, K, m, n0 + j, out) : tile_vnni<4, 4>(xq, xs, w, K, m, n0 + j, out);
-  for (; m + 2 <= M; m += 2)
-    for (int64_t j = 0; j < 16; j += 8)
-      m == 0 ? tile_vnni<2, 8, true>(xq, xs, w, K, m, n0 + j, out) : tile_vnni<2, 8>(xq, xs, w, K, m, n0 + j, out);
-  for (; m < M; ++m)
-    m == 0 ? tile_vnni<1, 16, true>(xq, xs, w, K, m, n0, out) : tile_vnni<1, 16>(xq, xs, w, K, m, n0, out);
+  tiles16(M, n0, [&](auto shape, bool ahead, int64_t m, int64_t n) {
+    using S = decltype(shape);
+    ahead ? tile_vnni<S::MR, S::NR, true>(xq, xs, w, K, m, n, out) : tile_vnni<S::MR, S::NR>(xq, xs, w, K, m, n, out);
+  });
 }
 
 // The last N % 16 weight rows, one row of x at a time.
