@@ -21,6 +21,7 @@ import pytest
 
 from engine.engine_config import EngineConfig
 from engine.process import wire
+from engine.process.channel import Channel
 from engine.process.client import EngineClient
 from engine.process.fetch_wake import FetchWake
 from engine.process.main import LoadSpec
@@ -183,8 +184,7 @@ def test_death_ends_every_open_request(tiny_model: Path) -> None:
     assert deaths and not client.alive
     with pytest.raises(EngineClosed):
         client.add_request(ids, long)
-    # Dropped without `shutdown` (its channel's sockets left open): collecting it must not block
-    # (a context of its own would wait in its finalizer for those sockets, forever).
+    # Dropped without `shutdown` (its channel's socket left open): collecting it must not block.
     # A callback that holds its client, as a server's does, puts it in a reference cycle.
     client._reader.join(timeout=10)
     client.on_death = functools.partial(lambda c, reason: None, client)
@@ -232,18 +232,17 @@ def test_thread_placement() -> None:
 
 def test_a_lookups_end_wakes_the_loops_wait() -> None:
     """`FetchWake`: the store's `on_fetched`, called from another thread, ends the loop's wait
-    (it returns True, long before its timeout); a wait with nothing to end it returns False; after
-    `close` the hook is gone and a late call sends nothing."""
-    import zmq
+    (it returns True, long before its timeout); a wait with nothing to end it returns False; a
+    message on the channel ends it too (False: not a lookup); after `close` the hook is gone and
+    a late call sends nothing."""
 
     class Store:
         on_fetched: object = None
 
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.bind("inproc://test-fetch-wake-inbox")
+    ours, theirs = Channel.pair()
+    peer = Channel(theirs)
     store = Store()
-    wake = FetchWake(ctx, inbox, store)
+    wake = FetchWake(ours, store)
     try:
         assert store.on_fetched == wake.fetched
         assert wake.wait(0) is False
@@ -252,9 +251,13 @@ def test_a_lookups_end_wakes_the_loops_wait() -> None:
         wake.fetched()
         wake.fetched()
         assert wake.wait(0) is True and wake.wait(0) is False  # every pending wake-up consumed at once
+        threading.Timer(0.05, peer.send, (b"hello",)).start()
+        t0 = time.monotonic()
+        assert wake.wait(60_000) is False and time.monotonic() - t0 < 30
+        assert ours.ready() == [b"hello"]
     finally:
         wake.close()
     assert store.on_fetched is None
     wake.fetched()  # (a lookup ending after the loop stopped) no error, nothing sent
-    inbox.close(linger=0)
-    ctx.term()
+    ours.close()
+    peer.close()

@@ -7,10 +7,10 @@
 `EngineClosed`) is decided here, synchronously, with the limits the engine reported; a request
 counts as queued until the engine says it was scheduled (`wire.Outputs.started`).
 
-One reader thread receives the engine's messages (blocking in ZMQ without the GIL) and hands
-each step's outputs to their handles. When the engine process dies, every open request ends
-with an error and `on_death` is called with the reason (the server then answers `/ready` 503
-`engine_stopped` and exits 1).
+One reader thread receives the engine's messages (`channel.Channel`: it sleeps in `poll`
+without the GIL until the kernel has a frame) and hands each step's outputs to their handles.
+When the engine process dies, every open request ends with an error and `on_death` is called
+with the reason (the server then answers `/ready` 503 `engine_stopped` and exits 1).
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from engine.process import wire
+from engine.process.channel import Channel, ChannelClosed
 from engine.process.main import EngineInfo, LoadSpec
-from engine.request import ConsumerGone, FinishReason, RequestHandle, RequestOutput
+from engine.request import ConsumerGone, FinishReason, RequestHandle, RequestOutput, push_all
 from engine.sampling_params import SamplingParams
 from engine.scheduling.admission import Admission
 from engine.snapshot import EngineSnapshot
@@ -96,16 +95,7 @@ class EngineClient(Generates):
         self.spec = spec
         self.on_death = on_death
         self._dir = tempfile.mkdtemp(prefix="longctx-core-")
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        # The process's shared context, never a context of our own: a context left to the garbage
-        # collector (a client dropped without `shutdown`, its sockets in the same cycle) blocks
-        # forever in its finalizer's `term()`, wherever the collection happens to run.
-        self._ctx: zmq.Context[Any] = zmq.Context.instance()
-        self._to = self._ctx.socket(zmq.PUSH)
-        self._to.setsockopt(zmq.LINGER, 0)
-        self._to.bind(in_addr)
-        self._from = self._ctx.socket(zmq.PULL)
-        self._from.bind(out_addr)
+        self._channel, theirs = Channel.pair()
         spec_path = os.path.join(self._dir, "spec.pkl")
         with open(spec_path, "wb") as f:
             pickle.dump(spec, f)
@@ -115,12 +105,15 @@ class EngineClient(Generates):
             env["OMP_WAIT_POLICY"] = omp_wait_policy
         if spec.threads:
             env["OMP_NUM_THREADS"] = str(spec.threads)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.process.main", spec_path, in_addr, out_addr],
-            env=env,
-            start_new_session=True,
-        )
-        self._send_lock = threading.Lock()  # a ZMQ socket is used by one thread at a time
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.process.main", spec_path, str(theirs.fileno())],
+                env=env,
+                start_new_session=True,
+                pass_fds=(theirs.fileno(),),
+            )
+        finally:
+            theirs.close()  # the engine process holds it now: its exit is this end's end of file
         self._lock = threading.Lock()
         self._handles: dict[str, RequestHandle] = {}
         self._queued: set[str] = set()
@@ -256,13 +249,11 @@ class EngineClient(Generates):
 
     def abort(self, request_id: str) -> None:
         """Stop a request; safe from any thread and from async code (never blocks on the engine)."""
-        with contextlib.suppress(zmq.ZMQError):
+        with contextlib.suppress(ChannelClosed):
             self._send(wire.Abort(request_id))
 
     def _send(self, msg: Any) -> None:
-        data = wire.encoder.encode(msg)
-        with self._send_lock:
-            self._to.send(data)
+        self._channel.send(wire.encoder.encode(msg))
 
     def kv_commit_wait(self, timeout_s: float) -> bool:
         """`Engine.kv_commit_wait` in the engine process: wait up to `timeout_s` until the KV pages
@@ -281,7 +272,7 @@ class EngineClient(Generates):
             self._send(wire.CommitWait(wait_id, timeout_s))
             done.event.wait(timeout_s + COMMIT_ANSWER_SLACK_S)
             return done.written
-        except zmq.ZMQError:
+        except ChannelClosed:
             return False
         finally:
             with self._lock:
@@ -312,8 +303,14 @@ class EngineClient(Generates):
     def _read(self) -> None:
         try:
             while True:
-                if self._from.poll(100):
-                    msg = wire.from_engine.decode(self._from.recv())
+                try:
+                    frames = self._channel.recv(0.1)
+                except ChannelClosed:  # the engine process ended (or closed its end): its exit code
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.proc.wait(5)
+                    frames = None
+                for raw in frames or ():
+                    msg = wire.from_engine.decode(raw)
                     if isinstance(msg, wire.Outputs):
                         self._on_outputs(msg)
                     elif isinstance(msg, wire.Metrics):
@@ -339,9 +336,7 @@ class EngineClient(Generates):
                         self._stopped.set()
                         self.compiled.set()
                         return
-                elif self.proc.poll() is not None:
-                    if self._from.poll(0):  # its last messages came in meanwhile
-                        continue
+                if frames is None or (not frames and self.proc.poll() is not None and not self._channel.wait(0)):
                     why = f": {self._failed}" if self._failed else ""
                     self._died(f"the engine process exited with code {self.proc.returncode}{why}")
                     return
@@ -349,8 +344,8 @@ class EngineClient(Generates):
             log.exception("engine channel failed")
             self._died(f"the engine channel failed: {e}")
         finally:
-            if self._closing:  # `shutdown` found this thread alive and left the socket to it
-                self._from.close(linger=0)
+            if self._closing:  # `shutdown` found this thread alive and left the channel to it
+                self._channel.close()
 
     def _on_compiled(self, report: Any) -> None:
         self.compile_report = report
@@ -379,12 +374,9 @@ class EngineClient(Generates):
                     pushes.append((handle, out))
         if left and self.admission is not None:
             self.admission.leave(left)
-        for handle, out in pushes:
-            try:
-                handle.push(out)
-            except ConsumerGone:
-                if out.finish_reason is None:
-                    self.abort(handle.id)
+        for handle in push_all(pushes):  # their consumers' loops have closed
+            if not handle.done:
+                self.abort(handle.id)
 
     def _end_all(self, reason: FinishReason, error: str | None) -> None:
         with self._lock:
@@ -428,7 +420,7 @@ class EngineClient(Generates):
         if self.admission is not None:
             self.admission.close()
         if self.proc.poll() is None:
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(ChannelClosed):
                 self._send(wire.Shutdown())
             self._stopped.wait(timeout_s)
             try:
@@ -439,10 +431,8 @@ class EngineClient(Generates):
                 self.proc.wait()
         self._reader.join(timeout=2)
         self._end_all(FinishReason.ABORT, None)
-        with self._send_lock:
-            self._to.close(linger=0)
-        if not self._reader.is_alive():  # else the reader closes it as it ends
-            self._from.close(linger=0)
+        if not self._reader.is_alive():  # else it ends on the closed socket's error
+            self._channel.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> EngineClient:

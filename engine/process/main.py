@@ -1,11 +1,11 @@
-"""The engine core in a process of its own: `python -m engine.process.main SPEC IN OUT`.
+"""The engine core in a process of its own: `python -m engine.process.main SPEC FD`.
 
 The API process (`engine/process/client.py`) keeps HTTP, sessions and tokenization; this process
 loads the model, builds the `Engine` and steps it in a busy loop, schedule -> forward -> sample,
 on its main thread, with OpenMP free to spin (its `OMP_WAIT_POLICY` is set by the client, not
-PASSIVE as in the API process). Requests and aborts arrive on a ZMQ PULL socket (`IN`), drained
-between steps; each step's outputs leave in one message on a PUSH socket (`OUT`), with the
-load snapshot; counters and histograms follow every `METRICS_INTERVAL_S`.
+PASSIVE as in the API process). Requests and aborts arrive on the channel (`channel.Channel`, the
+inherited socket `FD`), drained between steps; each step's outputs leave in one message on it,
+with the load snapshot; counters and histograms follow every `METRICS_INTERVAL_S`.
 
 Startup, in order, each phase answered with `wire.Started`: `loaded` (the model; payload: the
 `LoadedModel` without its weights), then on `wire.Build` (sent once the API process knows the
@@ -105,37 +105,32 @@ def _handle_class() -> Any:
 
 
 class _CommitWaiter:
-    """Answers `wire.CommitWait` on a thread of its own, with a PUSH socket of its own (a ZMQ
-    socket belongs to one thread), so a turn's commit waiting for its KV pages never holds up
-    the step loop."""
+    """Answers `wire.CommitWait` on a thread of its own, so a turn's commit waiting for its KV
+    pages never holds up the step loop."""
 
-    def __init__(self, engine: Any, ctx: Any, out_addr: str):
+    def __init__(self, engine: Any, channel: Any):
         import queue
         import threading
 
-        self.engine, self.ctx, self.out_addr = engine, ctx, out_addr
+        self.engine, self.channel = engine, channel
         self.waits: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="longctx-commit-wait", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        import zmq
-
         from engine.process import wire
+        from engine.process.channel import ChannelClosed
 
-        push = self.ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 1000)
-        push.connect(self.out_addr)
-        try:
-            while (msg := self.waits.get()) is not None:
-                try:
-                    written = self.engine.kv_commit_wait(msg.timeout_s)
-                except Exception:  # the tier's trouble costs a recompute later, never the turn
-                    log.exception("KV commit wait failed")
-                    written = False
-                push.send(wire.encoder.encode(wire.CommitDone(msg.id, written)))
-        finally:
-            push.close()
+        while (msg := self.waits.get()) is not None:
+            try:
+                written = self.engine.kv_commit_wait(msg.timeout_s)
+            except Exception:  # the tier's trouble costs a recompute later, never the turn
+                log.exception("KV commit wait failed")
+                written = False
+            try:
+                self.channel.send(wire.encoder.encode(wire.CommitDone(msg.id, written)))
+            except ChannelClosed:
+                return
 
     def close(self) -> None:
         self.waits.put(None)
@@ -146,7 +141,7 @@ class CoreLoop:
     """The engine process once its engine is built: drain the inbox, step, send the outputs."""
 
     def __init__(
-        self, engine: Any, pull: Any, push: Any, grammar: Any, parent: int, waiter: _CommitWaiter | None = None,
+        self, engine: Any, channel: Any, grammar: Any, parent: int, waiter: _CommitWaiter | None = None,
         compiler: Any = None, fetch_wake: FetchWake | None = None,
     ):  # fmt: skip
         from engine.process import wire
@@ -155,7 +150,7 @@ class CoreLoop:
         self.compiler = compiler  # a BackgroundCompile still switching buckets in, or None
         self.waiter = waiter
         self.fetch_wake = fetch_wake  # with a Redis tier: a lookup's end ends the loop's wait
-        self.pull, self.push = pull, push
+        self.channel = channel
         self.grammar = grammar  # compile(key) -> matcher, or None
         self.parent = parent
         self.outbox = _Outbox()
@@ -190,16 +185,10 @@ class CoreLoop:
         self.unstarted[msg.request_id] = None
 
     def _drain(self, timeout_ms: int) -> None:
-        import zmq
-
         wire = self.wire
-        if timeout_ms and not self.pull.poll(timeout_ms):
+        if timeout_ms and not self.channel.wait(timeout_ms / 1000):
             return
-        while True:
-            try:
-                raw = self.pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for raw in self.channel.ready():
             msg = wire.to_engine.decode(raw)
             if isinstance(msg, wire.Add):
                 self._add(msg)
@@ -208,7 +197,7 @@ class CoreLoop:
             elif isinstance(msg, wire.CommitWait):
                 if self.waiter is None:
                     written = self.engine.kv_commit_wait(msg.timeout_s)  # True at once without a Redis tier
-                    self.push.send(wire.encoder.encode(wire.CommitDone(msg.id, written)))
+                    self.channel.send(wire.encoder.encode(wire.CommitDone(msg.id, written)))
                 else:
                     self.waiter.waits.put(msg)
             elif isinstance(msg, wire.Shutdown):
@@ -235,7 +224,7 @@ class CoreLoop:
         if self.outbox.items or started:
             outs, self.outbox.items = self.outbox.items, []
             msg = self.wire.Outputs(outs, started, self.engine.snapshot(), time.monotonic())
-            self.push.send(self.wire.encoder.encode(msg), copy=False)
+            self.channel.send(self.wire.encoder.encode(msg))
         if time.monotonic() - self._metrics_at >= METRICS_INTERVAL_S:
             self._send_metrics()
 
@@ -244,7 +233,7 @@ class CoreLoop:
         self._metrics_at = time.monotonic()
         host = e.store.host.num_bytes if e.store is not None else 0
         staged = e.store.staged.num_bytes if e.store is not None else 0
-        self.push.send(self.wire.encoder.encode(self.wire.Metrics(e.stats.snapshot(), e.kv_stats(), host, staged)))
+        self.channel.send(self.wire.encoder.encode(self.wire.Metrics(e.stats.snapshot(), e.kv_stats(), host, staged)))
 
     def run(self) -> None:
         e = self.engine
@@ -268,7 +257,7 @@ class CoreLoop:
             self._send()
             if self.compiler is not None and self.compiler.ready():  # one bucket per iteration
                 self.compiler.switch_in()
-                self.push.send(self.wire.encoder.encode(self.wire.Compiled(pickle.dumps(self.compiler.report))))
+                self.channel.send(self.wire.encoder.encode(self.wire.Compiled(pickle.dumps(self.compiler.report))))
                 self.compiler = None if self.compiler.report.done else self.compiler
             now = time.monotonic()
             if now - self._parent_at > 1.0:
@@ -279,7 +268,7 @@ class CoreLoop:
         e.shutdown()  # every open request ends with abort, pushed to the outbox
         self._send()
         self._send_metrics()
-        self.push.send(self.wire.encoder.encode(self.wire.Stopped()))
+        self.channel.send(self.wire.encoder.encode(self.wire.Stopped()))
 
 
 def _factory(path: str) -> Any:
@@ -288,7 +277,7 @@ def _factory(path: str) -> Any:
 
 
 def main(argv: list[str]) -> int:
-    spec_path, in_addr, out_addr = argv
+    spec_path, fd = argv
     parent = os.getppid()
     with open(spec_path, "rb") as f:
         spec: LoadSpec = pickle.load(f)
@@ -300,21 +289,15 @@ def main(argv: list[str]) -> int:
 
     if ranks.is_worker(spec):  # rank 1..N-1 of a sharded engine: no channel, rank 0 drives it
         return ranks.worker_main(spec)
-    import zmq
-
     from engine.process import wire
+    from engine.process.channel import Channel
 
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.connect(in_addr)
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 5000)
-    push.connect(out_addr)
+    channel = Channel.from_fd(int(fd))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when to stop
 
     def started(phase: str, payload: Any = None, error: str | None = None, bad_input: bool = False) -> None:
         data = pickle.dumps(payload) if error is None else b""
-        push.send(wire.encoder.encode(wire.Started(phase, data, error, bad_input)))
+        channel.send(wire.encoder.encode(wire.Started(phase, data, error, bad_input)))
 
     phase = "loaded"
     parallel: Any = None
@@ -329,23 +312,28 @@ def main(argv: list[str]) -> int:
 
         parallel, watchdog = ranks.join(spec)
         if watchdog is not None:
-            ranks.on_rank_failure(watchdog, out_addr)
+            ranks.on_rank_failure(watchdog, channel)
         loaded = load(**spec.load, parallel=parallel)
         model = loaded.model
         started("loaded", replace(loaded, model=None))  # type: ignore[arg-type]  # its weights stay here
         build = None
         while build is None:
-            if not pull.poll(500):
+            if not channel.wait(0.5):
                 if os.getppid() != parent:
                     return 1
                 continue
-            msg = wire.to_engine.decode(pull.recv())
-            if isinstance(msg, wire.Shutdown):
-                ranks.stop_workers(None, parallel, watchdog)
-                push.send(wire.encoder.encode(wire.Stopped()))
-                return 0
-            if isinstance(msg, wire.Build):
-                build = msg
+            frames = channel.ready()
+            for i, raw in enumerate(frames):
+                msg = wire.to_engine.decode(raw)
+                if isinstance(msg, wire.Shutdown):
+                    ranks.stop_workers(None, parallel, watchdog)
+                    channel.send(wire.encoder.encode(wire.Stopped()))
+                    channel.close(flush_s=5)
+                    return 0
+                if isinstance(msg, wire.Build):
+                    build = msg
+                    channel.put_back(frames[i + 1 :])  # what came after it is the loop's
+                    break
         phase = "engine"
         config = replace(
             spec.config, kv_redis_url=build.kv_redis_url, kv_redis_prefix=build.kv_redis_prefix,
@@ -393,16 +381,16 @@ def main(argv: list[str]) -> int:
         else:
             log.exception("engine process: phase %s failed", phase)
             started(phase, error=f"{type(e).__name__}: {e}")
-        push.close(linger=5000)
+        channel.close(flush_s=5)
         return 1  # the other ranks (if any) end when this process does: their watchdogs lose the store
     # Commit waits only have something to wait for with a Redis tier (without one the loop answers them at once).
     # A sharded engine's commit wait is a collective: it runs on the loop's thread, between steps.
-    waiter = _CommitWaiter(engine, ctx, out_addr) if config.kv_redis_url and not parallel.distributed else None
+    waiter = _CommitWaiter(engine, channel) if config.kv_redis_url and not parallel.distributed else None
     # With a Redis tier, lookups end on another thread: they wake the loop's wait.
     store = engine.store
-    wake = FetchWake(ctx, pull, store) if store is not None and store.redis is not None else None
+    wake = FetchWake(channel, store) if store is not None and store.redis is not None else None
     try:
-        CoreLoop(engine, pull, push, grammar, parent, waiter, compiler, wake).run()
+        CoreLoop(engine, channel, grammar, parent, waiter, compiler, wake).run()
     finally:
         if wake is not None:
             wake.close()
@@ -411,9 +399,7 @@ def main(argv: list[str]) -> int:
         if compiler is not None:
             compiler.close()
         ranks.stop_workers(runner, parallel, watchdog)
-    push.close(linger=5000)
-    pull.close()
-    ctx.term()
+    channel.close(flush_s=5)
     return 0
 
 

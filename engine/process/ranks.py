@@ -2,8 +2,9 @@
 other ranks itself (each re-runs `python -m engine.process.main` with RANK set), or joins a group
 `torchrun` started (then every process has RANK in its environment).
 
-Rank 0 keeps what the engine process always does (the ZMQ channel, the scheduler, sampling) and
-drives the others through a `DistributedRunner`; ranks 1..N-1 talk to no one but rank 0: they
+Rank 0 keeps what the engine process always does (the channel to the API process, the
+scheduler, sampling) and drives the others through a `DistributedRunner`; ranks 1..N-1 talk to
+no one but rank 0 (the channel's socket is not inherited by them): they
 load their shard and replay each step (`serve_worker`) until rank 0 says stop. A rank that dies
 ends rank 0 through the watchdog, which first tells the API process which rank it was
 (`wire.Failed`), so the server's error names it.
@@ -11,6 +12,7 @@ ends rank 0 through the watchdog, which first tells the API process which rank i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -60,22 +62,17 @@ def join(spec: Any) -> tuple[ParallelContext, Watchdog | None]:
     return parallel, watchdog
 
 
-def on_rank_failure(watchdog: Watchdog, out_addr: str) -> None:
+def on_rank_failure(watchdog: Watchdog, channel: Any) -> None:
     """Before the watchdog ends this process, tell the API process which rank failed and why
-    (a context and socket of the watchdog thread's own; terminating that context waits, up to
-    its linger, until the message has left: the process exits right after)."""
-    import zmq
-
+    (on the process's channel, waiting up to 2 s for the message to leave: the process exits
+    right after)."""
     from engine.process import wire
+    from engine.process.channel import ChannelClosed
 
     def tell(reason: str) -> None:
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 2000)
-        push.connect(out_addr)
-        push.send(wire.encoder.encode(wire.Failed(reason)))
-        push.close()
-        ctx.term()
+        with contextlib.suppress(ChannelClosed):
+            channel.send(wire.encoder.encode(wire.Failed(reason)))
+            channel.flush(2.0)
 
     watchdog.on_fail = tell
 

@@ -1,6 +1,6 @@
 """The messages between the API process and the engine process (`engine/process/main.py`).
 
-msgspec-encoded (msgpack), tagged unions, over ZMQ `ipc://` sockets: one PUSH/PULL pair each way.
+msgspec-encoded (msgpack), tagged unions, one frame each over `channel.Channel` (a Unix socket pair).
 The engine batches outputs per step: one `Outputs` message carries every request's increment of
 that step, never one message per token per request. Startup results that only cross once (the
 loaded model's tokenizer and config, the compile report) travel pickled inside `Started`.
