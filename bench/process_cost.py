@@ -10,11 +10,12 @@ time through the `openai` client (`/v1/chat/completions`, `stream: true`), and p
   streams), and the engine's own inter-token time (its `/metrics` histogram).
 
 Figures on a 2-core machine drift by 10-30% between server starts, so `--roots A,B` starts the
-server from each checkout in turn (`--starts` times each, alternating), and the table compares
+server from each checkout in turn, and `--envs` with each environment variant (`--starts` times
+each, alternating), and the table compares
 the medians: the wake-ups and CPU per token are steadier than tokens/s and show a channel's cost
 where the speed cannot. Writes JSON to bench/results/process_cost.json.
 
-    python bench/process_cost.py [--roots OLD_CHECKOUT,.] [--dtype int4] [--starts 3]
+    python bench/process_cost.py [--roots OLD_CHECKOUT,.] [--envs ';GOMP_SPINCOUNT=10000'] [--dtype int4] [--starts 3]
         [--requests 4] [--tokens 200] [--streams 1] [--threads 2]
 """
 
@@ -103,7 +104,7 @@ async def one_request(client: Any, tokens: int) -> tuple[int, float, str]:
     return n, (n - 1) / (end - first) if end > first else 0.0, text
 
 
-def one_start(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+def one_start(root: Path, extra_env: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     import openai
     import served
     from served import DTYPE_FLAGS
@@ -118,7 +119,7 @@ def one_start(root: Path, args: argparse.Namespace) -> dict[str, Any]:
            "--port", str(port), "--served-model-name", "demo", "--kv-redis-url", "none",
            "--background-workers", "0", "--redis-url", args.redis_url, "--redis-prefix", f"cost{port}",
            *DTYPE_FLAGS[args.dtype], "--threads", str(args.threads)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**os.environ, "PYTHONPATH": str(root), **extra_env}
     env.setdefault("LONGCTX_HOME", str(Path.home() / ".cache" / "longctx"))
     log = open(Path(home) / "serve.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -192,6 +193,7 @@ def report(results: dict[str, list[dict[str, Any]]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--roots", default=".", help="checkouts to start the server from, in turn")
+    ap.add_argument("--envs", default="", help="';'-separated variants of the server's environment, e.g. ';A=1 B=2'")
     ap.add_argument("--dtype", default="int4")
     ap.add_argument("--starts", type=int, default=3)
     ap.add_argument("--requests", type=int, default=4)
@@ -201,15 +203,21 @@ def main() -> None:
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
     ap.add_argument("--out", default=str(RESULTS / "process_cost.json"))
     args = ap.parse_args()
-    roots = [Path(r).resolve() for r in args.roots.split(",")]
-    results: dict[str, list[dict[str, Any]]] = {str(r): [] for r in roots}
+    variants = []
+    for r in args.roots.split(","):
+        for e in args.envs.split(";"):
+            extra = dict(kv.split("=", 1) for kv in e.split() if kv)
+            label = str(Path(r).resolve()) + (f" [{e}]" if e else "")
+            variants.append((label, Path(r).resolve(), extra))
+    results: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in variants}
     for i in range(args.starts):
-        for root in roots if i % 2 == 0 else roots[::-1]:
-            row = one_start(root, args)
-            results[str(root)].append(row)
+        for label, root, extra in variants if i % 2 == 0 else variants[::-1]:
+            row = one_start(root, extra, args)
+            results[label].append(row)
             tps, cpu, wakes = row["client_tokens_per_s"], row["api_cpu_ms"], row["api_voluntary"]
             print(
-                f"start {i + 1}, {root}: {tps:.1f} tok/s, API {cpu:.3f} ms and {wakes:.2f} wake-ups a token", flush=True
+                f"start {i + 1}, {label}: {tps:.1f} tok/s, API {cpu:.3f} ms and {wakes:.2f} wake-ups a token",
+                flush=True,
             )
     report(results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
