@@ -6,6 +6,7 @@ time through the `openai` client (`/v1/chat/completions`, `stream: true`), and p
   was woken: each one a wake-up) and involuntary;
 - the engine process's CPU time and its involuntary context switches (a spinning OpenMP worker
   taken off its core: the step waits for it at the next barrier);
+- TTFT p50 of 5 fresh short prompts (one token each, before the decode requests);
 - the client's decode tokens/s after the first token (summed over `--streams` concurrent
   streams), and the engine's own inter-token time (its `/metrics` histogram).
 
@@ -82,6 +83,22 @@ def inter_token_ms(url: str) -> tuple[float, float]:
     return s, n
 
 
+async def ttft_ms(client: Any) -> float:
+    """A fresh short prompt's time to its first content chunk, from the request's start."""
+    from served import chat_prompt
+
+    t0 = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": chat_prompt("story")}], max_tokens=1,
+        temperature=0, stream=True,
+    )  # fmt: skip
+    first = None
+    async for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter()
+    return 1000 * ((first or time.perf_counter()) - t0)
+
+
 async def one_request(client: Any, tokens: int) -> tuple[int, float, str]:
     """(completion tokens, decode tokens/s after the first token, text)."""
     from served import chat_prompt
@@ -135,6 +152,7 @@ def one_start(root: Path, extra_env: dict[str, str], args: argparse.Namespace) -
         async def drive() -> list[dict[str, Any]]:
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
             await one_request(client, 16)  # the route's first-call costs stay out
+            ttfts = [await ttft_ms(client) for _ in range(5)]
             rows = []
             for _ in range(args.requests):
                 a0, e0, m0 = counters(proc.pid), counters(engine), inter_token_ms(url)
@@ -153,6 +171,8 @@ def one_start(root: Path, extra_env: dict[str, str], args: argparse.Namespace) -
                     "engine_involuntary": (e1["involuntary"] - e0["involuntary"]) / n,
                 })  # fmt: skip
             await client.close()
+            for row in rows:
+                row["ttft_ms"] = statistics.median(ttfts)
             return rows
 
         rows = asyncio.run(drive())
@@ -165,6 +185,7 @@ def one_start(root: Path, extra_env: dict[str, str], args: argparse.Namespace) -
 
 
 COLUMNS = [
+    ("ttft_ms", "TTFT p50 ms", "{:.1f}"),
     ("client_tokens_per_s", "client tok/s", "{:.1f}"),
     ("engine_inter_token_ms", "engine step ms", "{:.2f}"),
     ("api_cpu_ms", "API CPU ms/tok", "{:.3f}"),

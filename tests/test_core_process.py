@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -193,6 +194,26 @@ def test_death_ends_every_open_request(tiny_model: Path) -> None:
     collecting.start()
     collecting.join(timeout=20)
     assert not collecting.is_alive(), "the garbage collector blocked on a dropped engine client"
+
+
+def test_the_engine_process_exits_when_the_api_side_closes_the_channel(tiny_model: Path) -> None:
+    """An API process that dies (or closes the channel) while its engine process runs: the
+    engine process sees the channel's end of file and exits within seconds, whether it was
+    waiting for `wire.Build` or serving (with a request in flight), instead of waiting for the
+    parent-pid check or stepping on for no one."""
+    spec = LoadSpec(load=dict(spec=str(tiny_model), dtype="float32", progress=False), config=CONFIG, threads=1)
+    waiting = EngineClient(spec)
+    serving, loaded = _client(tiny_model)
+    try:
+        waiting.wait_phase("loaded", timeout_s=120)
+        ids = loaded.tokenizer.encode("Go:")  # type: ignore[attr-defined]
+        serving.add_request(ids, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        for client, code in ((waiting, 1), (serving, 0)):
+            client._channel.sock.shutdown(socket.SHUT_WR)  # the engine side reads its end of file
+            assert client.proc.wait(30) == code
+    finally:
+        waiting.shutdown()
+        serving.shutdown()
 
 
 def test_server_answers_503_then_exits_1_when_its_engine_process_dies(tiny_model: Path, tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ KV Redis URL) `engine` (payload: `EngineInfo`), then `compiled` (the compiled st
 None). With `Build.background` the buckets compile in the background (`background_compile.py`):
 `compiled` answers at once with every bucket pending, and a `wire.Compiled` follows each bucket
 the loop switches in. A phase that fails answers with its error and the process exits 1. It also
-exits when its parent goes away (Linux's parent-death signal, and a check of the parent's pid). On
+exits when its parent goes away (Linux's parent-death signal, a check of the parent's pid, and the
+channel's end of file: the API process closed it or died). On
 `wire.Shutdown` it ends every open request with `abort`, sends them, then `wire.Stopped`.
 
 Structured output: the request carries its grammar's key (`wire.GrammarSpec`); the matcher is
@@ -236,6 +237,16 @@ class CoreLoop:
         self.channel.send(self.wire.encoder.encode(self.wire.Metrics(e.stats.snapshot(), e.kv_stats(), host, staged)))
 
     def run(self) -> None:
+        """Serve until `wire.Shutdown`, the parent's death, or the channel's end (the API process
+        closed it, or died: nothing sent could be read any more)."""
+        from engine.process.channel import ChannelClosed
+
+        try:
+            self._serve()
+        except ChannelClosed as e:
+            log.error("the API process closed the channel (%s); the engine process exits", e)
+
+    def _serve(self) -> None:
         e = self.engine
         while not self.stopping:
             busy = e.has_unfinished()
@@ -290,7 +301,7 @@ def main(argv: list[str]) -> int:
     if ranks.is_worker(spec):  # rank 1..N-1 of a sharded engine: no channel, rank 0 drives it
         return ranks.worker_main(spec)
     from engine.process import wire
-    from engine.process.channel import Channel
+    from engine.process.channel import Channel, ChannelClosed
 
     channel = Channel.from_fd(int(fd))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when to stop
@@ -322,7 +333,12 @@ def main(argv: list[str]) -> int:
                 if os.getppid() != parent:
                     return 1
                 continue
-            frames = channel.ready()
+            try:
+                frames = channel.ready()
+            except ChannelClosed:
+                log.error("the API process closed the channel; the engine process exits")
+                ranks.stop_workers(None, parallel, watchdog)
+                return 1
             for i, raw in enumerate(frames):
                 msg = wire.to_engine.decode(raw)
                 if isinstance(msg, wire.Shutdown):
