@@ -17,8 +17,10 @@ from engine.process.channel import BUFFER_BYTES, Channel, ChannelClosed
 
 
 def _pair() -> tuple[Channel, Channel]:
-    ours, theirs = Channel.pair()
-    return ours, Channel(theirs)
+    """As between the processes: `ours` waits on the eventfd the other end signals (a copy of
+    it, as the other process would hold)."""
+    ours, theirs, signal = Channel.pair()
+    return ours, Channel(theirs, signal_fd=os.dup(signal))
 
 
 def _frame(sender: int, seq: int, size: int) -> bytes:
@@ -145,10 +147,11 @@ def test_put_back_returns_frames_first() -> None:
 
 def test_an_inherited_end_is_not_passed_on() -> None:
     """`from_fd` (the engine process's end) is not inherited by processes it starts (ranks)."""
-    ours, theirs = Channel.pair()
+    ours, theirs, signal = Channel.pair()
     theirs.set_inheritable(True)
-    end = Channel.from_fd(os.dup(theirs.fileno()))
-    assert not os.get_inheritable(end.fileno())
+    end = Channel.from_fd(os.dup(theirs.fileno()), os.dup(signal))
+    assert not os.get_inheritable(end.fileno()) and end.signal_fd is not None
+    assert not os.get_inheritable(end.signal_fd)
     theirs.close()
     end.send(b"ok")
     assert _read_all(ours, 1) == [b"ok"]

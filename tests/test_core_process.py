@@ -260,8 +260,8 @@ def test_a_lookups_end_wakes_the_loops_wait() -> None:
     class Store:
         on_fetched: object = None
 
-    ours, theirs = Channel.pair()
-    peer = Channel(theirs)
+    ours, theirs, signal = Channel.pair()
+    peer = Channel(theirs, signal_fd=os.dup(signal))
     store = Store()
     wake = FetchWake(ours, store)
     try:

@@ -14,13 +14,26 @@ queue that a writer thread (started on the first such frame) flushes in order, b
 (the API's reader thread, which also sends aborts, can never wait on the engine, which waits
 on it), and the event loop never waits on the engine's pace of reading a large image.
 
-Receiving is one thread's (the API's reader thread, the engine's loop): `wait` polls the socket,
+Receiving is one thread's (the API's reader thread, the engine's loop): `wait` polls,
 `ready` takes what has arrived without blocking and returns the complete frames.
+
+How the API process's reader is woken matters as much as how often. A write to a Unix socket
+wakes the thread waiting on it *synchronously* (the kernel's hint that the writer is about to
+sleep), and the scheduler then places the woken thread on the writer's core: the engine's main
+thread, the step's critical path, which does not sleep but starts the next step, and so was
+preempted by the API's reader (one stream on 2 cores, int4: 105-107 tok/s, engine step 9.4 ms).
+So the engine process writes its frame, then signals an eventfd, and the reader waits on that
+eventfd, polling the socket only for its close and for the rest of a frame larger than the
+socket's buffer: an eventfd's wake-up is not synchronous, and the reader lands where it last
+ran, half the time on a spinning OpenMP worker, which costs nothing between parallel regions
+(114 tok/s, step 8.75 ms in the same run; `docs/benchmarks.md`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import select
 import socket
 import struct
@@ -39,8 +52,10 @@ class ChannelClosed(ConnectionError):
 class Channel:
     """One end of the pair. `send` from any thread; `wait`/`ready`/`recv` from one thread."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, signal_fd: int | None = None, wake_fd: int | None = None):
         self.sock = sock
+        self.signal_fd = signal_fd  # an eventfd written after each frame (bytes) sent: the peer waits on it
+        self.wake_fd = wake_fd  # an eventfd the peer writes: what `wait` waits on instead of the socket
         self._lock = threading.Lock()
         self._queue: collections.deque[memoryview] = collections.deque()  # frames waiting for the writer thread
         self._writing = False  # the writer thread holds a frame it took from the queue
@@ -53,20 +68,25 @@ class Channel:
         self._eof = False
 
     @classmethod
-    def pair(cls) -> tuple[Channel, socket.socket]:
-        """This process's end, and the other end's socket (to pass to the other process)."""
+    def pair(cls) -> tuple[Channel, socket.socket, int]:
+        """This process's end, and the other end's socket and signal eventfd (to pass to the
+        other process; this end waits on that eventfd for the other end's frames)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for s in (ours, theirs):
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 s.setsockopt(socket.SOL_SOCKET, opt, BUFFER_BYTES)
-        return cls(ours), theirs
+        wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        return cls(ours, wake_fd=wake), theirs, wake
 
     @classmethod
-    def from_fd(cls, fd: int) -> Channel:
-        """The end a process inherited as `fd` (kept from any process it starts itself)."""
+    def from_fd(cls, fd: int, signal_fd: int | None = None) -> Channel:
+        """The end a process inherited as `fd` (and the eventfd its peer waits on), kept from
+        any process it starts itself."""
         sock = socket.socket(fileno=fd)
         sock.set_inheritable(False)
-        return cls(sock)
+        if signal_fd is not None:
+            os.set_inheritable(signal_fd, False)
+        return cls(sock, signal_fd=signal_fd)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -91,6 +111,8 @@ class Channel:
                 except OSError as e:
                     self._failed = e
                     raise ChannelClosed(f"channel closed: {e}") from e
+                if sent:
+                    self._signal()
                 if sent == len(frame):
                     return
                 frame = frame[sent:]
@@ -110,7 +132,10 @@ class Channel:
                 frame = self._queue.popleft()
                 self._writing = True
             try:
-                self.sock.sendall(frame)
+                while frame:  # the peer is signalled as each part is taken, so it reads on
+                    sent = self.sock.send(frame)
+                    self._signal()
+                    frame = frame[sent:]
             except OSError as e:
                 with self._lock:
                     self._failed = e
@@ -121,6 +146,10 @@ class Channel:
             with self._lock:
                 self._writing = False
                 self._wake.notify_all()
+
+    def _signal(self) -> None:
+        if self.signal_fd is not None:
+            os.eventfd_write(self.signal_fd, 1)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every frame sent so far has left this process (up to `timeout_s`)."""
@@ -140,7 +169,11 @@ class Channel:
         if self._complete() or self._eof:
             return True
         poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN)
+        if self.wake_fd is None:
+            poller.register(self.sock.fileno(), select.POLLIN)
+        else:  # the peer's eventfd; the socket only for its close, or for the rest of a frame begun
+            poller.register(self.wake_fd, select.POLLIN)
+            poller.register(self.sock.fileno(), select.POLLRDHUP | (select.POLLIN if self._buf else 0))
         return bool(poller.poll(max(0, int(timeout_s * 1000))))
 
     def ready(self) -> list[bytes]:
@@ -149,6 +182,9 @@ class Channel:
         Raises:
             ChannelClosed: the other end is gone and every frame it sent has been returned.
         """
+        if self.wake_fd is not None:  # first: a frame sent after this read signals again
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(self.wake_fd)
         while not self._eof:
             try:
                 n = self.sock.recv_into(self._chunk, READ_CHUNK, socket.MSG_DONTWAIT)
@@ -201,3 +237,8 @@ class Channel:
                 self.sock.shutdown(socket.SHUT_WR)
             writer.join(timeout=1)
         self.sock.close()
+        for fd in (self.signal_fd, self.wake_fd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.signal_fd = self.wake_fd = None

@@ -95,7 +95,7 @@ class EngineClient(Generates):
         self.spec = spec
         self.on_death = on_death
         self._dir = tempfile.mkdtemp(prefix="longctx-core-")
-        self._channel, theirs = Channel.pair()
+        self._channel, theirs, signal = Channel.pair()
         spec_path = os.path.join(self._dir, "spec.pkl")
         with open(spec_path, "wb") as f:
             pickle.dump(spec, f)
@@ -107,10 +107,10 @@ class EngineClient(Generates):
             env["OMP_NUM_THREADS"] = str(spec.threads)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.process.main", spec_path, str(theirs.fileno())],
+                [sys.executable, "-m", "engine.process.main", spec_path, str(theirs.fileno()), str(signal)],
                 env=env,
                 start_new_session=True,
-                pass_fds=(theirs.fileno(),),
+                pass_fds=(theirs.fileno(), signal),
             )
         finally:
             theirs.close()  # the engine process holds it now: its exit is this end's end of file

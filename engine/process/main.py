@@ -1,11 +1,12 @@
-"""The engine core in a process of its own: `python -m engine.process.main SPEC FD`.
+"""The engine core in a process of its own: `python -m engine.process.main SPEC FD SIGNAL_FD`.
 
 The API process (`engine/process/client.py`) keeps HTTP, sessions and tokenization; this process
 loads the model, builds the `Engine` and steps it in a busy loop, schedule -> forward -> sample,
 on its main thread, with OpenMP free to spin (its `OMP_WAIT_POLICY` is set by the client, not
 PASSIVE as in the API process). Requests and aborts arrive on the channel (`channel.Channel`, the
-inherited socket `FD`), drained between steps; each step's outputs leave in one message on it,
-with the load snapshot; counters and histograms follow every `METRICS_INTERVAL_S`.
+inherited socket `FD`; `SIGNAL_FD` is the eventfd it signals the API process's reader on),
+drained between steps; each step's outputs leave in one message on it, with the load snapshot;
+counters and histograms follow every `METRICS_INTERVAL_S`.
 
 Startup, in order, each phase answered with `wire.Started`: `loaded` (the model; payload: the
 `LoadedModel` without its weights), then on `wire.Build` (sent once the API process knows the
@@ -288,7 +289,7 @@ def _factory(path: str) -> Any:
 
 
 def main(argv: list[str]) -> int:
-    spec_path, fd = argv
+    spec_path, fd, signal_fd = argv
     parent = os.getppid()
     with open(spec_path, "rb") as f:
         spec: LoadSpec = pickle.load(f)
@@ -303,7 +304,7 @@ def main(argv: list[str]) -> int:
     from engine.process import wire
     from engine.process.channel import Channel, ChannelClosed
 
-    channel = Channel.from_fd(int(fd))
+    channel = Channel.from_fd(int(fd), int(signal_fd))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when to stop
 
     def started(phase: str, payload: Any = None, error: str | None = None, bad_input: bool = False) -> None:
