@@ -19,9 +19,9 @@ Receiving is one thread's (the API's reader thread, the engine's loop): `wait` p
 
 How the API process's reader is woken matters as much as how often. A write to a Unix socket
 wakes the thread waiting on it *synchronously* (the kernel's hint that the writer is about to
-sleep), and the scheduler then places the woken thread on the writer's core: the engine's main
-thread, the step's critical path, which does not sleep but starts the next step, and so was
-preempted by the API's reader (one stream on 2 cores, int4: 105-107 tok/s, engine step 9.4 ms).
+sleep), and the scheduler may then place the woken thread on the writer's core: the engine's
+main thread, the step's critical path, which does not sleep but starts the next step (what fits
+the measurements, one stream on 2 cores, int4: 105-107 tok/s, engine step 9.4 ms).
 So the engine process writes its frame, then signals an eventfd, and the reader waits on that
 eventfd, polling the socket only for its close and for the rest of a frame larger than the
 socket's buffer: an eventfd's wake-up is not synchronous, and the reader lands where it last
