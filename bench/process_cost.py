@@ -27,10 +27,7 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -83,85 +80,32 @@ def inter_token_ms(url: str) -> tuple[float, float]:
     return s, n
 
 
-async def ttft_ms(client: Any) -> float:
-    """A fresh short prompt's time to its first content chunk, from the request's start."""
-    from served import chat_prompt
-
-    t0 = time.perf_counter()
-    stream = await client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": chat_prompt("story")}], max_tokens=1,
-        temperature=0, stream=True,
-    )  # fmt: skip
-    first = None
-    async for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].delta.content:
-            first = time.perf_counter()
-    return 1000 * ((first or time.perf_counter()) - t0)
-
-
-async def one_request(client: Any, tokens: int) -> tuple[int, float, str]:
-    """(completion tokens, decode tokens/s after the first token, text)."""
-    from served import chat_prompt
-
-    start = first = None
-    text, n = "", 0
-    stream = await client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": chat_prompt("story")}], max_tokens=tokens,
-        temperature=0, stream=True, stream_options={"include_usage": True},
-    )  # fmt: skip
-    start = time.perf_counter()
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            first = first or time.perf_counter()
-            text += chunk.choices[0].delta.content
-        if chunk.usage is not None:
-            n = chunk.usage.completion_tokens
-    end = time.perf_counter()
-    first = first or start
-    return n, (n - 1) / (end - first) if end > first else 0.0, text
-
-
 def one_start(root: Path, extra_env: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     import openai
     import served
-    from served import DTYPE_FLAGS
-
-    from tests.server import free_port, http_get
+    from served import DTYPE_FLAGS, demo_server, stream_chat
 
     served._seq[0] = 0  # the same prompts at every start
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    home = tempfile.mkdtemp(prefix="lc-cost-")
-    cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "api.cli", "serve", "--model", "smollm2-135m-instruct",
-           "--port", str(port), "--served-model-name", "demo", "--kv-redis-url", "none",
-           "--background-workers", "0", "--redis-url", args.redis_url, "--redis-prefix", f"cost{port}",
-           *DTYPE_FLAGS[args.dtype], "--threads", str(args.threads)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root), **extra_env}
-    env.setdefault("LONGCTX_HOME", str(Path.home() / ".cache" / "longctx"))
-    log = open(Path(home) / "serve.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        t0 = time.perf_counter()
-        while http_get(f"{url}/ready")[0] != 200:
-            if proc.poll() is not None or time.perf_counter() - t0 > 900:
-                raise RuntimeError(f"server did not start: {(Path(home) / 'serve.log').read_text()[-2000:]}")
-            time.sleep(0.2)
-        http_get(f"{url}/ready?wait_compiled_s=900", 910)
+    flags = [*DTYPE_FLAGS[args.dtype], "--threads", str(args.threads)]
+    with demo_server(flags, args.redis_url, "cost", root, {"PYTHONPATH": str(root), **extra_env}) as (url, proc, _):
         engine = engine_pid(proc.pid)
 
         async def drive() -> list[dict[str, Any]]:
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
-            await one_request(client, 16)  # the route's first-call costs stay out
-            ttfts = [await ttft_ms(client) for _ in range(5)]
+            await stream_chat(client, "story", 16)  # the route's first-call costs stay out
+            ttfts = []
+            for _ in range(5):
+                s = await stream_chat(client, "story", 1)
+                ttfts.append(1000 * ((s.first or s.end) - s.start))
             rows = []
             for _ in range(args.requests):
                 a0, e0, m0 = counters(proc.pid), counters(engine), inter_token_ms(url)
-                got = await asyncio.gather(*(one_request(client, args.tokens) for _ in range(args.streams)))
+                got = await asyncio.gather(*(stream_chat(client, "story", args.tokens) for _ in range(args.streams)))
                 a1, e1, m1 = counters(proc.pid), counters(engine), inter_token_ms(url)
-                n = max(1, sum(g[0] for g in got))
-                tps, text = sum(g[1] for g in got), got[0][2]
+                n = max(1, sum(g.tokens for g in got))
+                tps = sum((g.tokens - 1) / (g.end - g.first) for g in got if g.first is not None and g.end > g.first)
                 rows.append({
-                    "tokens": n, "client_tokens_per_s": tps, "text": text,
+                    "tokens": n, "client_tokens_per_s": tps, "text": got[0].text,
                     "engine_inter_token_ms": 1000 * (m1[0] - m0[0]) / max(1.0, m1[1] - m0[1]),
                     "api_cpu_ms": 1000 * (a1["cpu_s"] - a0["cpu_s"]) / n,
                     "api_voluntary": (a1["voluntary"] - a0["voluntary"]) / n,
@@ -176,10 +120,6 @@ def one_start(root: Path, extra_env: dict[str, str], args: argparse.Namespace) -
             return rows
 
         rows = asyncio.run(drive())
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
     keys = [k for k in rows[0] if k not in ("tokens", "text")]
     return {k: statistics.median(r[k] for r in rows) for k in keys} | {"texts": [r["text"] for r in rows]}
 

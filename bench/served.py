@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,65 +140,79 @@ def collect(rows: list[tuple[str, list[Stream]]]) -> dict[str, Any]:
 # ---------------------------------------------------------------- served
 
 
+async def stream_chat(client: Any, kind: str, max_tokens: int) -> Stream:
+    """One fresh `chat_prompt(kind)` through `/v1/chat/completions`, streamed with usage."""
+    s = Stream()
+    stream = await client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": chat_prompt(kind)}], max_tokens=max_tokens,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            s.got(1)
+            s.text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            s.tokens = chunk.usage.completion_tokens
+    s.end = time.perf_counter()
+    return s
+
+
 async def _served_rows(url: str, quick: bool) -> list[tuple[str, list[Stream]]]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
-
-    async def one(kind: str, max_tokens: int) -> Stream:
-        s = Stream()
-        stream = await client.chat.completions.create(
-            model="demo", messages=[{"role": "user", "content": chat_prompt(kind)}], max_tokens=max_tokens,
-            temperature=0, stream=True, stream_options={"include_usage": True},
-        )  # fmt: skip
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                s.got(1)
-                s.text += chunk.choices[0].delta.content
-            if chunk.usage is not None:
-                s.tokens = chunk.usage.completion_tokens
-        s.end = time.perf_counter()
-        return s
-
     rows = []
-    await one("story", 8)  # the first request's one-off costs (the route's imports) stay out
+    await stream_chat(client, "story", 8)  # the first request's one-off costs (the route's imports) stay out
     for name, n, kind, max_tokens in plan(quick):
-        rows.append((name, list(await asyncio.gather(*(one(kind, max_tokens) for _ in range(n))))))
+        streams = await asyncio.gather(*(stream_chat(client, kind, max_tokens) for _ in range(n)))
+        rows.append((name, list(streams)))
     await client.close()
     return rows
 
 
-def run_served(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+@contextlib.contextmanager
+def demo_server(
+    flags: list[str], redis_url: str, tag: str = "bench", root: Path = ROOT, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes], float]]:
+    """`longctx serve` on the demo model from checkout `root` (its own Redis prefix, no KV Redis
+    tier, no background workers), once ready and every bucket of its compiled step is in:
+    (its URL, the process, seconds until `/ready` answered 200). Stopped on leaving."""
     from tests.server import free_port, http_get
 
-    _seq[0] = 0  # the same prompts as the in-process worker (a fresh process per dtype) gets
-
     port = free_port()
-    home = tempfile.mkdtemp(prefix="lc-bench-")
-    flags = [*DTYPE_FLAGS[dtype], "--threads", str(args.threads), "--kv-cache-bytes", "1GiB", "--max-num-seqs", "32"]
-    flags += ["--no-compile"] if args.no_compile else []
+    url = f"http://127.0.0.1:{port}"
+    home = tempfile.mkdtemp(prefix=f"lc-{tag}-")
     cmd = [sys.executable, "-m", "api.cli", "serve", "--model", "smollm2-135m-instruct", "--port", str(port),
            "--served-model-name", "demo", "--kv-redis-url", "none", "--background-workers", "0",
-           "--redis-url", args.redis_url, "--redis-prefix", f"bench{port}", *flags]  # fmt: skip
-    env = {**os.environ, "LONGCTX_HOME": os.environ.get("LONGCTX_HOME", str(Path.home() / ".cache" / "longctx"))}
+           "--redis-url", redis_url, "--redis-prefix", f"{tag}{port}", *flags]  # fmt: skip
+    full_env = {**os.environ, **(env or {})}
+    full_env.setdefault("LONGCTX_HOME", str(Path.home() / ".cache" / "longctx"))
     log = open(Path(home) / "serve.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     try:
         t0 = time.perf_counter()
-        while http_get(f"http://127.0.0.1:{port}/ready")[0] != 200:
+        while http_get(f"{url}/ready")[0] != 200:
             if proc.poll() is not None or time.perf_counter() - t0 > 900:
                 raise RuntimeError(f"server did not start: {(Path(home) / 'serve.log').read_text()[-2000:]}")
             time.sleep(0.1)
         ready_s = time.perf_counter() - t0
-        http_get(f"http://127.0.0.1:{port}/ready?wait_compiled_s=900", 910)  # the compiled step, every bucket
-        out = collect(asyncio.run(_served_rows(f"http://127.0.0.1:{port}", args.quick)))
-        out["ready_s"] = ready_s
-        out["split"] = _split(f"http://127.0.0.1:{port}/metrics")
-        return out
+        http_get(f"{url}/ready?wait_compiled_s=900", 910)  # the compiled step, every bucket
+        yield url, proc, ready_s
     finally:
         proc.terminate()
         proc.wait(60)
         log.close()
+
+
+def run_served(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    _seq[0] = 0  # the same prompts as the in-process worker (a fresh process per dtype) gets
+    flags = [*DTYPE_FLAGS[dtype], "--threads", str(args.threads), "--kv-cache-bytes", "1GiB", "--max-num-seqs", "32"]
+    flags += ["--no-compile"] if args.no_compile else []
+    with demo_server(flags, args.redis_url) as (url, _, ready_s):
+        out = collect(asyncio.run(_served_rows(url, args.quick)))
+        out["ready_s"] = ready_s
+        out["split"] = _split(f"{url}/metrics")
+        return out
 
 
 def _split(url: str) -> dict[str, float]:

@@ -10,7 +10,7 @@ socket's buffer has room.
 
 Sending never blocks the caller: a frame the buffer cannot take whole goes to an in-memory
 queue that a writer thread (started on the first such frame) flushes in order, blocking in
-`sendall` instead of the caller. So neither side can hold the other up by not reading
+`send` instead of the caller. So neither side can hold the other up by not reading
 (the API's reader thread, which also sends aborts, can never wait on the engine, which waits
 on it), and the event loop never waits on the engine's pace of reading a large image.
 
@@ -233,7 +233,7 @@ class Channel:
             self._wake.notify_all()
         writer = self._writer
         if writer is not None and writer is not threading.current_thread():
-            if self._writing:  # a writer blocked in `sendall` on a peer that stopped reading
+            if self._writing:  # a writer blocked in `send` on a peer that stopped reading
                 self.sock.shutdown(socket.SHUT_WR)
             writer.join(timeout=1)
         self.sock.close()
