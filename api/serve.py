@@ -240,6 +240,7 @@ class Startup:
             engine, grammar = await self._phase(state, "engine", building)
             with state.lock:
                 state.engine, state.grammar = engine, grammar
+            engine.read_on(asyncio.get_running_loop())  # one wake-up a step (`engine/process/loop_reader.py`)
             compiling = lambda: _in_thread(self._compile)  # noqa: E731
             await self._phase(state, "compile", compiling)
             await self._phase(state, "warm-up", lambda: _in_thread(lambda: self._warm_up(engine, grammar)))

@@ -82,7 +82,8 @@ class ConsumerGone(RuntimeError):
 def push_all(items: list[tuple[RequestHandle, RequestOutput]]) -> list[RequestHandle]:
     """`push` each output to its handle (in order), waking each asyncio loop once for all of its
     consumers rather than once per handle: a step's outputs for 16 streams cost the loop one
-    wake-up and one write to its self-pipe, not 16. Returns the handles whose consumer's loop has
+    wake-up and one write to its self-pipe, not 16 (and none when pushed on that loop's own
+    thread: its consumers' events are set at once). Returns the handles whose consumer's loop has
     closed (`ConsumerGone` of `push`), for the caller to abort those not finished."""
     wake: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, asyncio.Event]]] = {}
     for handle, out in items:
@@ -90,8 +91,15 @@ def push_all(items: list[tuple[RequestHandle, RequestOutput]]) -> list[RequestHa
         if waiting is not None:
             wake.setdefault(waiting[0], []).append((handle, waiting[1]))
     gone: list[RequestHandle] = []
+    try:
+        here = asyncio.get_running_loop()  # pushed from a callback on a loop (the channel read there)
+    except RuntimeError:
+        here = None
     for loop, pairs in wake.items():
         events = [event for _, event in pairs]
+        if loop is here:
+            _set_all(events)
+            continue
         try:
             loop.call_soon_threadsafe(_set_all, events)
         except RuntimeError:  # "Event loop is closed"

@@ -216,6 +216,11 @@ class Channel:
         """Return frames taken by `ready` but not handled: the next `ready` gives them first."""
         self._buf[0:0] = b"".join(HEADER.pack(len(f)) + f for f in frames)
 
+    @property
+    def partial(self) -> bool:
+        """Part of a frame has been read and its rest has not (after `ready`)."""
+        return bool(self._buf) and not self._complete()
+
     def _complete(self) -> bool:
         if len(self._buf) < HEADER.size:
             return False
@@ -237,6 +242,8 @@ class Channel:
                 self.sock.shutdown(socket.SHUT_WR)
             writer.join(timeout=1)
         self.sock.close()
+        with contextlib.suppress(OSError):
+            self._signal()  # a peer waiting on the eventfd, not on the socket, reads the end of file
         for fd in (self.signal_fd, self.wake_fd):
             if fd is not None:
                 with contextlib.suppress(OSError):

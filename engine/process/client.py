@@ -15,6 +15,7 @@ with the reason (the server then answers `/ready` 503 `engine_stopped` and exits
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -32,6 +33,7 @@ from typing import Any
 
 from engine.process import wire
 from engine.process.channel import Channel, ChannelClosed
+from engine.process.loop_reader import LoopReader
 from engine.process.main import EngineInfo, LoadSpec
 from engine.request import ConsumerGone, FinishReason, RequestHandle, RequestOutput, push_all
 from engine.sampling_params import SamplingParams
@@ -139,6 +141,9 @@ class EngineClient(Generates):
         self.admission: Admission | None = None
         self.tokenizer: Any = None
         self.store = None  # the tiers live in the engine process (`host_bytes` has their size)
+        self._handoff: asyncio.AbstractEventLoop | None = None  # `read_on`'s loop
+        self._loop_reader: LoopReader | None = None
+        self._read_here = False  # `shutdown` reads the rest on its own thread
         self._reader = threading.Thread(target=self._read, name="longctx-engine-reader", daemon=True)
         self._reader.start()
 
@@ -303,49 +308,101 @@ class EngineClient(Generates):
     def _read(self) -> None:
         try:
             while True:
+                loop = self._handoff
+                if loop is not None:  # `read_on`: the loop reads from here on
+                    try:
+                        loop.call_soon_threadsafe(self._start_loop_reader, loop)
+                        return
+                    except RuntimeError:  # closed before it could start: read on here
+                        self._handoff = None
                 try:
                     frames = self._channel.recv(0.1)
                 except ChannelClosed:  # the engine process ended (or closed its end): its exit code
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        self.proc.wait(5)
                     frames = None
                 for raw in frames or ():
-                    msg = wire.from_engine.decode(raw)
-                    if isinstance(msg, wire.Outputs):
-                        self._on_outputs(msg)
-                    elif isinstance(msg, wire.Metrics):
-                        self.stats.last, self._kv, self.host_bytes = msg.stats, msg.kv, msg.host_bytes
-                        self.prefetch_bytes = msg.prefetch_bytes
-                    elif isinstance(msg, wire.Compiled):
-                        self._on_compiled(pickle.loads(msg.payload))
-                    elif isinstance(msg, wire.Started):
-                        if msg.phase == "compiled" and msg.error is None:
-                            self._on_compiled(pickle.loads(msg.payload))
-                        with self._phase_cv:
-                            self._phases[msg.phase] = msg
-                            self._phase_cv.notify_all()
-                    elif isinstance(msg, wire.CommitDone):
-                        with self._lock:
-                            answer = self._commits.get(msg.id)
-                        if answer is not None:
-                            answer.written = msg.written
-                            answer.event.set()
-                    elif isinstance(msg, wire.Failed):
-                        self._failed = msg.reason
-                    elif isinstance(msg, wire.Stopped):
-                        self._stopped.set()
-                        self.compiled.set()
+                    if self._dispatch(raw):
                         return
                 if frames is None or (not frames and self.proc.poll() is not None and not self._channel.wait(0)):
-                    why = f": {self._failed}" if self._failed else ""
-                    self._died(f"the engine process exited with code {self.proc.returncode}{why}")
+                    self._engine_ended()
                     return
         except Exception as e:  # a decoding bug: nothing more can be trusted from the channel
             log.exception("engine channel failed")
             self._died(f"the engine channel failed: {e}")
         finally:
-            if self._closing:  # `shutdown` found this thread alive and left the channel to it
+            if self._closing and self._handoff is None:  # `shutdown` left the channel to this thread
                 self._channel.close()
+
+    def _dispatch(self, raw: bytes) -> bool:
+        """Handle one message from the engine process; True when it said it stopped."""
+        msg = wire.from_engine.decode(raw)
+        if isinstance(msg, wire.Outputs):
+            self._on_outputs(msg)
+        elif isinstance(msg, wire.Metrics):
+            self.stats.last, self._kv, self.host_bytes = msg.stats, msg.kv, msg.host_bytes
+            self.prefetch_bytes = msg.prefetch_bytes
+        elif isinstance(msg, wire.Compiled):
+            self._on_compiled(pickle.loads(msg.payload))
+        elif isinstance(msg, wire.Started):
+            if msg.phase == "compiled" and msg.error is None:
+                self._on_compiled(pickle.loads(msg.payload))
+            with self._phase_cv:
+                self._phases[msg.phase] = msg
+                self._phase_cv.notify_all()
+        elif isinstance(msg, wire.CommitDone):
+            with self._lock:
+                answer = self._commits.get(msg.id)
+            if answer is not None:
+                answer.written = msg.written
+                answer.event.set()
+        elif isinstance(msg, wire.Failed):
+            self._failed = msg.reason
+        elif isinstance(msg, wire.Stopped):
+            self._stopped.set()
+            self.compiled.set()
+            return True
+        return False
+
+    def _engine_ended(self) -> None:
+        """The channel's end: the engine process exited (or closed it) without saying it stopped."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        why = f": {self._failed}" if self._failed else ""
+        self._died(f"the engine process exited with code {self.proc.returncode}{why}")
+
+    # ---- reading on the event loop ----
+
+    def read_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the engine's messages on `loop` (the server's) from now on, not on the reader
+        thread: a step's outputs then wake this process once, not twice
+        (`engine/process/loop_reader.py`). Blocking consumers (a thread iterating a handle,
+        `wait_phase`, `kv_commit_wait`) go on working, served from the loop."""
+        if self._handoff is not None or not self._reader.is_alive():
+            return
+        self._handoff = loop
+        wake = self._channel.wake_fd
+        if wake is not None:  # the reader thread sees it at once, not at its next 0.1 s poll
+            with contextlib.suppress(OSError):
+                os.eventfd_write(wake, 1)
+
+    def _start_loop_reader(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._stopped.is_set() or self._read_here:  # stopped, or `shutdown` reads on its thread
+            return
+        try:
+            self._loop_reader = LoopReader(loop, self._channel, self.proc.pid, self._loop_frame, self._engine_ended)
+            self._loop_reader.start()
+        except OSError as e:  # the engine process is gone already (no pidfd)
+            log.debug("engine channel on the loop: %s", e)
+            self._engine_ended()
+
+    def _loop_frame(self, raw: bytes) -> bool:
+        try:
+            return self._dispatch(raw)
+        except Exception as e:
+            log.exception("engine channel failed")
+            if self._loop_reader is not None:
+                self._loop_reader.stop()
+            self._died(f"the engine channel failed: {e}")
+            return False
 
     def _on_compiled(self, report: Any) -> None:
         self.compile_report = report
@@ -419,9 +476,16 @@ class EngineClient(Generates):
         self._closing = True
         if self.admission is not None:
             self.admission.close()
+        read_here = self._handoff is not None and not self._loop_can_read()
+        if read_here:  # the loop took the reading over and cannot go on with it: this thread reads
+            self._read_here = True
+            if self._loop_reader is not None:
+                self._loop_reader.stop()
         if self.proc.poll() is None:
             with contextlib.suppress(ChannelClosed):
                 self._send(wire.Shutdown())
+            if read_here:
+                self._read_until_stopped(timeout_s)
             self._stopped.wait(timeout_s)
             try:
                 self.proc.wait(max(1.0, timeout_s / 3))
@@ -430,10 +494,32 @@ class EngineClient(Generates):
                 self.proc.kill()
                 self.proc.wait()
         self._reader.join(timeout=2)
+        if self._loop_reader is not None:
+            self._loop_reader.stop()
         self._end_all(FinishReason.ABORT, None)
         if not self._reader.is_alive():  # else it ends on the closed socket's error
             self._channel.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _loop_can_read(self) -> bool:
+        loop = self._handoff
+        if loop is None or loop.is_closed() or not loop.is_running():
+            return False
+        try:
+            return asyncio.get_running_loop() is not loop  # a blocking call on the loop stops it
+        except RuntimeError:
+            return True
+
+    def _read_until_stopped(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._stopped.is_set() and time.monotonic() < deadline:
+            try:
+                frames = self._channel.recv(0.1)
+            except ChannelClosed:
+                return
+            for raw in frames:
+                if self._dispatch(raw):
+                    return
 
     def __enter__(self) -> EngineClient:
         return self
