@@ -18,7 +18,9 @@ the tokens must agree whatever was restored).
 
 Then the restore breakdown of a `--restore-tokens` turn (the previous turn's pages held only by
 the host tier, or only by a local Redis): lookup (hashing and matching), the tier's read,
-decode and copy into the pool, the new tokens' prefill, the first decode step, TTFT.
+decode and copy into the pool, the new tokens' prefill, the first decode step, TTFT; from the
+host tier with the idle engine copying free pages into it ahead of their eviction and without
+(`--copy-ahead`), after each pause between turns of `--think-ms`.
 
     python bench/pressure.py [--conv-tokens 256] [--factors 2,4,8] [--delays-ms 0,5,50]
 
@@ -181,12 +183,16 @@ def cold_prefill(lm: Any, url: str, a: Any) -> float:
         runner.close()
 
 
-def restore_breakdown(lm: Any, tier: str, url: str, a: Any) -> dict[str, Any]:
+def restore_breakdown(lm: Any, tier: str, url: str, a: Any, think_s: float = 0.0, ahead: bool = True) -> dict[str, Any]:
     """A `restore_tokens` turn whose previous turn's pages are only in the host tier or only in
     Redis (another conversation took the whole device pool; without a host tier its pages are
     gone from this process): where its TTFT goes, median of `--restore-reps` restores, each of
     the same history with other new tokens. Beside it, the raw read of the same bytes (host:
-    one copy of the payloads; Redis: the `MGET`s alone, undecoded): the floor the tier sets."""
+    one copy of the payloads; Redis: the `MGET`s alone, undecoded): the floor the tier sets.
+
+    `think_s`: the pause between the other conversation's turn and the restored one (a user's
+    or a tool's time between turns; the engine idles). `ahead=False`: the engine does not copy
+    free pages into the host tier while idle (`EngineCore.copy_ahead`), as before it did."""
     import engine.scheduling.prefix as sp
     from engine.model_runner import ModelRunner
     from kvstore.kv_cache import KVCache
@@ -222,8 +228,13 @@ def restore_breakdown(lm: Any, tier: str, url: str, a: Any) -> dict[str, Any]:
         (ModelRunner, "run", "run"),
     ]
     saved = [(cls, attr, getattr(cls, attr)) for cls, attr, _ in patches]
-    runner = Runner(lm, pages, pages + 8 if tier == "host" else 0, url if tier == "redis" else None, a)
+    # The host tier holds every conversation of the run (as in the grid's "host on" cells).
+    host_pages = (a.restore_reps + 2) * (pages + 8) if tier == "host" else 0
+    runner = Runner(lm, pages, host_pages, url if tier == "redis" else None, a)
+    if not ahead:
+        runner.engine.copy_ahead = lambda: False  # type: ignore[method-assign]
     reps: list[dict[str, float]] = []
+    ahead_pages: list[int] = []
     raw_s: list[float] = []
     cached = 0
     try:
@@ -241,15 +252,8 @@ def restore_breakdown(lm: Any, tier: str, url: str, a: Any) -> dict[str, Any]:
             keys.append(hash_page(keys[-1] if keys else b"", prompt[i * PAGE : (i + 1) * PAGE], ns))
         for r in range(a.restore_reps):
             runner.turn([_tokens(99 + r, n + 6 * PAGE, vocab)], 1)  # another conversation takes the whole pool
-            # The raw read of the history's pages from the tier, as the restore will ask for them.
-            t0 = time.perf_counter()
-            if store.redis is not None:
-                per = store.redis.pages_per_read
-                for i in range(0, len(keys), per):
-                    mget(store.redis._reader, [store.redis.key(h) for h in keys[i : i + per]])
-            else:
-                bytearray().join([p for h in keys if (p := store.host._pages.get(h)) is not None])
-            raw_s.append(time.perf_counter() - t0)
+            ahead_before = store.host.counters.copied_ahead
+            time.sleep(think_s)
             for cls, attr, name in patches:
                 setattr(cls, attr, timed(name, getattr(cls, attr)))
             spans.clear()
@@ -258,15 +262,26 @@ def restore_breakdown(lm: Any, tier: str, url: str, a: Any) -> dict[str, Any]:
             finally:
                 for cls, attr, fn in saved:
                     setattr(cls, attr, fn)
+            ahead_pages.append(store.host.counters.copied_ahead - ahead_before)
             cached = res["cached"]
             reps.append(_spans_to_parts(spans, res["ttft_s"]))
+            # The raw read of the history's pages from the tier, as the restore asked for them.
+            t0 = time.perf_counter()
+            if store.redis is not None:
+                per = store.redis.pages_per_read
+                for i in range(0, len(keys), per):
+                    mget(store.redis._reader, [store.redis.key(h) for h in keys[i : i + per]])
+            else:
+                bytearray().join([p for h in keys if (p := store.host._pages.get(h)) is not None])
+            raw_s.append(time.perf_counter() - t0)
     finally:
         runner.close()
         delete_prefix(url, runner.prefix)
     med = {k: sorted(x[k] for x in reps)[len(reps) // 2] for k in reps[0]}
     raw = sorted(raw_s)[len(raw_s) // 2]
     return {"tier": tier, "tokens": n, "cached": cached, "bytes": (n // PAGE) * _page_bytes(lm), "raw_read_s": raw,
-            "device_hit_ttft_s": hit_s, "seconds": med, "reps": reps}  # fmt: skip
+            "device_hit_ttft_s": hit_s, "seconds": med, "reps": reps, "think_s": think_s, "ahead": ahead,
+            "copied_ahead_pages": sorted(ahead_pages)[len(ahead_pages) // 2]}  # fmt: skip
 
 
 def _page_bytes(lm: Any) -> int:
@@ -319,6 +334,8 @@ def main() -> None:
     )
     p.add_argument("--restore-tokens", type=int, default=2048, help="0: no restore breakdown")
     p.add_argument("--restore-reps", type=int, default=5)
+    p.add_argument("--think-ms", default="0", help="pauses between the other conversation's turn and the restored one")
+    p.add_argument("--copy-ahead", default="off,on", help="host tier: the idle engine copying free pages ahead or not")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
     p.add_argument("--out", default=str(RESULTS / "pressure.json"))
     a = p.parse_args()
@@ -351,7 +368,11 @@ def main() -> None:
     for c in cells:
         ref = next(r for r in cells if r["factor"] == c["factor"])
         agree[(c["factor"], c["delay_ms"], c["host"], c["prefetch"])] = c["outputs"] == ref["outputs"]
-    breakdown = [restore_breakdown(lm, tier, a.redis_url, a) for tier in ("host", "redis") if a.restore_tokens]
+    breakdown = []
+    for think_ms in [int(x) for x in a.think_ms.split(",")] if a.restore_tokens else []:
+        for ahead in [x == "on" for x in a.copy_ahead.split(",")]:
+            breakdown.append(restore_breakdown(lm, "host", a.redis_url, a, think_ms / 1000, ahead))
+        breakdown.append(restore_breakdown(lm, "redis", a.redis_url, a, think_ms / 1000))
     print(f"\ncold prefill of a {a.conv_tokens}-token first prompt alone: TTFT {cold * 1000:.0f} ms ({lm.dtype})")
     for factor, r in recomputed.items():
         print(
@@ -382,8 +403,11 @@ def main() -> None:
     print(f"\nrestore of a {a.restore_tokens}-token turn (+{a.new_tokens} new tokens), seconds:")
     for b in breakdown:
         parts = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in b["seconds"].items())
+        how = f"copy ahead {'on' if b['ahead'] else 'off'}, " if b["tier"] == "host" else ""
         print(
-            f"  from {b['tier']}: cached {b['cached']} of {b['tokens'] + a.new_tokens}: {parts}; "
+            f"  from {b['tier']} ({how}{b['think_s'] * 1000:.0f} ms between turns, "
+            f"{b['copied_ahead_pages']} pages copied ahead): "
+            f"cached {b['cached']} of {b['tokens'] + a.new_tokens}: {parts}; "
             f"raw read of its {b['bytes'] / 1e6:.1f} MB {b['raw_read_s'] * 1000:.1f} ms; "
             f"TTFT with the history in the device pool {b['device_hit_ttft_s'] * 1000:.1f} ms"
         )

@@ -92,6 +92,18 @@ class BlockPool:
             if count == 1:
                 self._free[page] = None
 
+    def next_evicted(self, scan: int) -> list[tuple[int, bytes]]:
+        """The named free pages among the first `scan` of the free list, in the order allocation
+        would reuse them (and `on_evict` be told): what an outer tier may copy ahead while idle."""
+        out = []
+        for i, page in enumerate(self._free):
+            if i >= scan:
+                break
+            h = self.page_hash[page]
+            if h is not None:
+                out.append((page, h))
+        return out
+
     def is_free(self, page: int) -> bool:
         return page in self._free
 

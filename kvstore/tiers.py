@@ -48,6 +48,7 @@ class HostCounters:
     hits: int = 0  # pages loaded back into device memory
     evicted: int = 0  # pages dropped for the byte budget
     kept: int = 0  # pages evicted from device memory that were held here already: not copied again
+    copied_ahead: int = 0  # of `stored`: free device pages copied in while the engine idled, before their eviction
 
 
 class HostTier:
@@ -401,6 +402,26 @@ class TieredStore:
             return
         for (_, h), payload in zip(todo, self._read([p for p, _ in todo]), strict=True):
             self.host.put(h, payload)
+
+    def copy_ahead(self, candidates: list[tuple[int, bytes]], max_pages: int) -> int:
+        """(step thread, while idle) Copy up to `max_pages` of these free device pages, next in
+        line for reuse, into the host tier where it does not hold them, as long as it has room
+        without dropping anything; their eviction then only moves them in its LRU order (`keep`).
+        The copy into fresh host memory, page faults included (~30 ms for the 46 MB of a 2k-token
+        history on a 2-core EPYC, against ~7 ms into memory touched before), then happens between
+        turns instead of inside the next restore. Returns how many were copied (0: nothing to do)."""
+        host = self.host
+        if host.budget_bytes == 0 or max_pages <= 0:
+            return 0
+        todo = [(p, h) for p, h in candidates if not host.holds(h)][:max_pages]
+        copied = 0
+        for (_, h), payload in zip(todo, self._read([p for p, _ in todo]), strict=True):
+            if host.num_bytes + len(payload) > host.budget_bytes:
+                break
+            host.put(h, payload)
+            copied += 1
+        host.counters.copied_ahead += copied  # of `stored`
+        return copied
 
     def _read(self, pages: list[int]) -> list[Payload]:
         """These device pages' payloads (storage dtype): in the model dtype on CPU, each page's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine.attention.torch_paged import TorchPagedBackend
 from engine.engine import Engine, EngineConfig
 from engine.model_runner import Chunk, ModelRunner
+from engine.sampling_params import SamplingParams
 from kvstore.codec import BadPage, PageCodec
 from kvstore.kv_cache import KVCache
 from kvstore.prefix import Namespace
@@ -146,6 +148,54 @@ def test_pages_cycling_through_the_pool_are_copied_to_the_host_tier_once(dense: 
     assert c.evicted == 0 and c.hits > 0 and c.kept > 0, c
     assert c.stored == len(host), c  # each page copied once, however often it was evicted
     assert c.stored + c.kept == e.pool.counters.evicted, (c, e.pool.counters)
+
+
+def test_idle_engine_copies_free_pages_ahead_so_their_eviction_copies_nothing(dense: TinyModel) -> None:
+    """While idle, the free pages next in line for reuse are copied into the host tier, batch by
+    batch until none is left (`EngineCore.copy_ahead`); their eviction then copies nothing (each
+    only `kept`), they come back from the host tier with the logits of a fresh engine, and the copy
+    never drops a page the host tier held: with room for two pages it copies two."""
+    g = torch.Generator().manual_seed(4)
+    vocab = dense.config.vocab_size
+    a = torch.randint(0, vocab, (70,), generator=g).tolist()
+    b = torch.randint(0, vocab, (100,), generator=g).tolist()
+    pb = page_bytes(dense.config)
+    e = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, host_cache_bytes=64 * pb))
+    fresh = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, enable_prefix_caching=False))
+    assert e.store is not None
+    c = e.store.host.counters
+    first_logits(e, a)
+    assert c.stored == 0
+    batches = 0
+    while e.copy_ahead():
+        batches += 1
+        assert batches < 10
+    assert c.copied_ahead == c.stored == 4 and len(e.store.host) == 4  # a's four full pages
+    assert not e.copy_ahead()  # nothing left: no copy again
+    first_logits(e, b)  # takes 7 of 8 pages: a's pages 1..3 are evicted, already held
+    assert c.stored == 4 and c.kept == 3, c
+    ours, cached, _ = first_logits(e, a)
+    ref, _, _ = first_logits(fresh, a)
+    assert cached == 64 and float((ours - ref).abs().max() / ref.abs().max()) < 1e-5
+
+    small = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, host_cache_bytes=2 * pb))
+    assert small.store is not None
+    first_logits(small, a)
+    while small.copy_ahead():
+        pass
+    host = small.store.host.counters
+    assert host.copied_ahead == 2 and host.evicted == 0, host
+
+    started = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, host_cache_bytes=64 * pb)).start()
+    try:  # the engine's own loop does it between requests
+        started.add_request(a, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)).result()
+        assert started.store is not None
+        deadline = time.monotonic() + 10
+        while started.store.host.counters.copied_ahead < 4:
+            assert time.monotonic() < deadline, started.store.host.counters
+            time.sleep(0.01)
+    finally:
+        started.shutdown()
 
 
 TEXT = (

@@ -14,8 +14,9 @@ queue that a writer thread (started on the first such frame) flushes in order, b
 (the API's reader thread, which also sends aborts, can never wait on the engine, which waits
 on it), and the event loop never waits on the engine's pace of reading a large image.
 
-Receiving is one thread's (the API's reader thread, the engine's loop): `wait` polls,
-`ready` takes what has arrived without blocking and returns the complete frames.
+Receiving is one thread's at a time (the API's reader thread or its event loop, through
+`loop_reader.LoopReader`; the engine's loop): `wait` polls, `ready` takes what has arrived
+without blocking and returns the complete frames.
 
 How the API process's reader is woken matters as much as how often. A write to a Unix socket
 wakes the thread waiting on it *synchronously* (the kernel's hint that the writer is about to

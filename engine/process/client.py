@@ -7,9 +7,11 @@
 `EngineClosed`) is decided here, synchronously, with the limits the engine reported; a request
 counts as queued until the engine says it was scheduled (`wire.Outputs.started`).
 
-One reader thread receives the engine's messages (`channel.Channel`: it sleeps in `poll`
-without the GIL until the kernel has a frame) and hands each step's outputs to their handles.
-When the engine process dies, every open request ends with an error and `on_death` is called
+A reader thread receives the engine's messages (`channel.Channel`: it sleeps in `poll`
+without the GIL until the kernel has a frame) and hands each step's outputs to their handles,
+until `read_on(loop)` hands the reading to an asyncio loop (the server's, once the engine is
+built: `loop_reader.LoopReader`), which then wakes once a step instead of the thread and then
+itself. When the engine process dies, every open request ends with an error and `on_death` is called
 with the reason (the server then answers `/ready` 503 `engine_stopped` and exits 1).
 """
 

@@ -251,7 +251,8 @@ class CoreLoop:
         e = self.engine
         while not self.stopping:
             busy = e.has_unfinished()
-            self._drain(0 if busy else (2 if e.scheduler.loading else IDLE_POLL_MS))
+            idle_ms = 2 if e.scheduler.loading else IDLE_POLL_MS
+            self._drain(0 if busy or (not e.scheduler.loading and e.copy_ahead()) else idle_ms)
             if self.stopping:
                 break
             if e.has_unfinished():
