@@ -158,7 +158,7 @@ def test_host_tier_alone_serves_later_turns() -> None:
 # ---- randomized: pools smaller than the working set, a tier of random latency ----
 
 EXAMPLES = 300  # the bound is the example count, never seconds
-STATS = {"examples": 0, "restored": 0, "delayed": 0, "preempted_or_unpinned": 0, "read_ahead": 0}
+STATS = {"examples": 0, "restored": 0, "delayed": 0, "preempted_or_unpinned": 0, "read_ahead": 0, "copied_ahead": 0}
 
 
 @dataclass
@@ -173,6 +173,7 @@ class Scenario:
     pinned_fraction: float
     delays: list[int]
     prefetch_pages: int  # pages of waiting requests read ahead from Redis (Redis-only runs)
+    copy_ahead: int  # free pages copied into the host tier after each step (host runs)
 
 
 @st.composite
@@ -201,6 +202,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         pinned_fraction=draw(st.sampled_from([0.25, 0.5, 1.0])),
         delays=draw(st.lists(st.integers(0, 6), min_size=1, max_size=8)),
         prefetch_pages=draw(st.sampled_from([0, 4, 64])),
+        copy_ahead=draw(st.sampled_from([0, 0, 1, 8])),
     )  # fmt: skip
 
 
@@ -216,6 +218,7 @@ def _run(sc: Scenario, redis_url: str | None = None, redis_prefix: str = "kv") -
         lookup_timeout_s=1e9, delay=lambda: next(delays), recompute_s=lambda n: 60.0,
         scheduler_kw={"max_pinned_fraction": sc.pinned_fraction},
         prefetch_bytes=sc.prefetch_pages * PAGE_BYTES if redis_url else 0,
+        copy_ahead=0 if redis_url else sc.copy_ahead,
     )  # fmt: skip
 
     def new(c: int, t: int) -> list[int]:
@@ -241,6 +244,7 @@ def _check(sim: TierSim, history: list[list[Turn]]) -> None:
     STATS["delayed"] += bool(sim.connector.fetches)
     STATS["preempted_or_unpinned"] += bool(sim.sched.num_preemptions or sim.sched.num_unpinned)
     STATS["read_ahead"] += sim.store.staged.counters.hits > 0
+    STATS["copied_ahead"] += sim.store.host.counters.copied_ahead > 0 and sim.store.host.counters.kept > 0
     assert sim.store.staged.num_bytes <= sim.store.staged.budget_bytes
 
 
@@ -254,8 +258,10 @@ def test_reuse_under_pressure_random() -> None:
     """Conversations whose working set is at least twice the pool, fetches ready after a random
     number of steps: every later turn is served >= 90% of its history (checked page by page),
     no stall (bounded steps), every request finishes, every reference comes back. The scenarios
-    must actually restore from the tier and through delayed fetches."""
-    _covered(_reuse_under_pressure, EXAMPLES)
+    must actually restore from the tier and through delayed fetches. Half the scenarios copy free
+    pages into the host tier after every step (`TieredStore.copy_ahead`, which the engine does
+    while idle): the pages restored from those copies are checked as every other."""
+    _covered(_reuse_under_pressure, EXAMPLES, copied=0.2)
 
 
 REDIS_EXAMPLES = 100
@@ -283,11 +289,13 @@ def test_reuse_under_pressure_random_redis_only(kv_redis: tuple[str, str]) -> No
     assert STATS["read_ahead"] >= 0.1 * STATS["examples"], STATS
 
 
-def _covered(run: Callable[[], None], examples: int, restored: float = 0.7, pressure: float = 0.15) -> None:
+def _covered(
+    run: Callable[[], None], examples: int, restored: float = 0.7, pressure: float = 0.15, copied: float = 0.0
+) -> None:
     """`run` (a hypothesis test over `_run`'s scenarios) counted afresh: enough scenarios ran, and
-    enough of them restored from the tier (`restored` of them), waited on delayed fetches and took
-    pages back (`pressure` of them)."""
-    STATS.update(examples=0, restored=0, delayed=0, preempted_or_unpinned=0, read_ahead=0)
+    enough of them restored from the tier (`restored` of them), waited on delayed fetches, took
+    pages back (`pressure` of them) and evicted pages copied ahead (`copied` of them)."""
+    STATS.update(examples=0, restored=0, delayed=0, preempted_or_unpinned=0, read_ahead=0, copied_ahead=0)
     run()
     n = STATS["examples"]
     assert n >= examples // 2, STATS
@@ -295,3 +303,4 @@ def _covered(run: Callable[[], None], examples: int, restored: float = 0.7, pres
     # pressure: running ones took pages back. How many scenarios reach it depends on when the fetch
     # threads finish: 91 of 300 on an idle machine, 58 in a loaded full run (two workers)
     assert STATS["preempted_or_unpinned"] >= pressure * n, STATS
+    assert STATS["copied_ahead"] >= copied * n, STATS

@@ -141,6 +141,7 @@ class TierSim:
     delay: Callable[[], int] | None = None  # a simulated latency (in polls) before each fetch is ready
     prefetch_bytes: int = 0  # host memory that waiting requests' pages are read ahead into from Redis
     scheduler_kw: dict[str, object] = field(default_factory=dict)
+    copy_ahead: int = 0  # pages the host tier copies ahead after each step (`TieredStore.copy_ahead`; 0: none)
 
     def __post_init__(self) -> None:
         self.kv = KVCache(SPEC, self.num_pages)
@@ -245,6 +246,8 @@ class TierSim:
         self.steps += 1
         self.max_running = max(self.max_running, len(self.sched.running))
         self.check_refcounts()
+        if self.copy_ahead:  # the engine does it only while idle; between any two steps is harder
+            self.store.copy_ahead(self.pool.next_evicted(1024), self.copy_ahead)
         if not chunks:
             time.sleep(0.0005)  # lookups on the tier's thread
         return chunks
