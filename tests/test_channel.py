@@ -6,8 +6,10 @@ reads); the other end's close is seen once its last frame has been read; a close
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -131,6 +133,51 @@ def test_the_other_ends_close_is_seen_after_its_last_frame() -> None:
         while True:
             assert b.recv(5) == []
     b.close()
+
+
+class _SlowWriter:
+    """The sending end's socket, whose writer thread pauses before each `send` (as a thread
+    waiting for the GIL on a loaded machine would): the reader then reads a frame whole and waits
+    on the eventfd alone before the next frame's first bytes arrive."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def send(self, data: Any, flags: int = 0) -> int:
+        if threading.current_thread().name == "longctx-channel-writer":
+            time.sleep(0.2)
+        return self.sock.send(data, flags)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+def test_a_reader_between_frames_is_signalled_as_a_large_frame_is_written() -> None:
+    """Frames past the socket's buffer, queued for the writer thread behind one another, and a
+    reader that has read one frame whole and so waits on the eventfd alone (the event loop's
+    reader does; the reader thread polls the socket only for a frame's rest): the writer signals
+    after each part it writes, so every frame arrives and no wait runs to its timeout. (It once
+    wrote each frame with one blocking `send`, which signalled only once the whole frame had
+    gone: the reader waited for a signal the writer could not give; the reader thread's 0.1 s
+    polls hid it, the event loop's reader stalled for good.)"""
+    ours, theirs = _pair()
+    theirs.sock = _SlowWriter(theirs.sock)  # type: ignore[assignment]
+    frames = [_frame(0, i, 3 * BUFFER_BYTES + i) for i in range(3)]
+    try:
+        for f in frames:
+            theirs.send(f)
+        got: list[bytes] = []
+        deadline = time.monotonic() + 60
+        while len(got) < len(frames):
+            assert time.monotonic() < deadline
+            t0 = time.monotonic()
+            ours.wait(5.0)
+            assert time.monotonic() - t0 < 2.5, "the reader waited for a signal that never came"
+            got += ours.ready()
+        assert got == frames
+    finally:
+        theirs.close()
+        ours.close()
 
 
 def test_put_back_returns_frames_first() -> None:

@@ -9,8 +9,10 @@ reader is woken by the kernel: no thread of the channel's own on either side, as
 socket's buffer has room.
 
 Sending never blocks the caller: a frame the buffer cannot take whole goes to an in-memory
-queue that a writer thread (started on the first such frame) flushes in order, blocking in
-`send` instead of the caller. So neither side can hold the other up by not reading
+queue that a writer thread (started on the first such frame) flushes in order, waiting for
+room instead of the caller, and signalling the peer after every part it sends (one blocking
+`send` of a frame larger than the buffer would signal only once all of it had gone, while the
+peer, its last frame read whole, waited for a signal: a stall). So neither side can hold the other up by not reading
 (the API's reader thread, which also sends aborts, can never wait on the engine, which waits
 on it), and the event loop never waits on the engine's pace of reading a large image.
 
@@ -134,7 +136,11 @@ class Channel:
                 self._writing = True
             try:
                 while frame:  # the peer is signalled as each part is taken, so it reads on
-                    sent = self.sock.send(frame)
+                    try:  # never one blocking `send` of the whole: it would signal only at the end,
+                        sent = self.sock.send(frame, socket.MSG_DONTWAIT)  # while the peer waits for a signal
+                    except BlockingIOError:
+                        self._wait_writable()
+                        continue
                     self._signal()
                     frame = frame[sent:]
             except OSError as e:
@@ -147,6 +153,15 @@ class Channel:
             with self._lock:
                 self._writing = False
                 self._wake.notify_all()
+
+    def _wait_writable(self) -> None:
+        """(writer thread) Until the socket's buffer has room (or the socket is shut or failed)."""
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLOUT)
+        while not self._closed and not poller.poll(100):
+            pass
+        if self._closed:
+            raise ChannelClosed("channel closed while a frame was being written")
 
     def _signal(self) -> None:
         if self.signal_fd is not None:
@@ -239,7 +254,7 @@ class Channel:
             self._wake.notify_all()
         writer = self._writer
         if writer is not None and writer is not threading.current_thread():
-            if self._writing:  # a writer blocked in `send` on a peer that stopped reading
+            if self._writing:  # a writer waiting for room on a peer that stopped reading
                 self.sock.shutdown(socket.SHUT_WR)
             writer.join(timeout=1)
         self.sock.close()
