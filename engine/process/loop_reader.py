@@ -73,15 +73,20 @@ class LoopReader:
         except ChannelClosed:
             self._peer_ended()
             return
+        if not self._hand_over(frames):
+            self._watch_socket(self.channel.partial)
+
+    def _hand_over(self, frames: list[bytes]) -> bool:
+        """Give `frames` to `on_frame` in order; True when the reading stopped at one of them
+        (it said stop, or stopped the reader: the client's death path), the rest put back."""
         for i, raw in enumerate(frames):
-            if self.on_frame(raw):
+            said_stop = self.on_frame(raw)
+            if said_stop or not self.active:
                 self.channel.put_back(frames[i + 1 :])
-                self._unregister()
-                return
-            if not self.active:  # `on_frame` stopped the reading (the client's death path)
-                self.channel.put_back(frames[i + 1 :])
-                return
-        self._watch_socket(self.channel.partial)
+                if said_stop:
+                    self._unregister()
+                return True
+        return False
 
     def _watch_socket(self, on: bool) -> None:
         if on and not self._socket_watched:
@@ -103,11 +108,8 @@ class LoopReader:
                 if self.channel.wait(0):
                     continue
                 break
-            for i, raw in enumerate(frames):
-                if self.on_frame(raw):
-                    self.channel.put_back(frames[i + 1 :])
-                    self._unregister()
-                    return
+            if self._hand_over(frames):
+                return
         self._unregister()
         self.on_end()
 
