@@ -10,11 +10,13 @@ has stopped reads the rest on its own thread and stops the engine cleanly."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.process.channel import BUFFER_BYTES
+from engine.process.channel import BUFFER_BYTES, Channel
 from engine.process.loop_reader import LoopReader
 from engine.request import FinishReason, RequestHandle, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -47,9 +49,25 @@ class _Peer:
         self.ends += 1
         self.frames_at_end = len(self.frames)
 
+    def reader(self, loop: asyncio.AbstractEventLoop, ours: Channel) -> LoopReader:
+        return LoopReader(loop, ours, self.proc.pid, self.on_frame, self.on_end)
+
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+@contextlib.contextmanager
+def _channel_and_peer() -> Iterator[tuple[Channel, Channel, _Peer]]:
+    """A channel pair (`ours` read by the loop) and a peer process whose pid the reader watches."""
+    ours, theirs = _pair()
+    peer = _Peer()
+    try:
+        yield ours, theirs, peer
+    finally:
+        peer.close()
+        theirs.close()
+        ours.close()
 
 
 async def _until(cond: object, timeout_s: float = 20) -> None:
@@ -68,122 +86,99 @@ async def _until(cond: object, timeout_s: float = 20) -> None:
     end=st.sampled_from(["exit", "close"]),
 )
 def test_frames_arrive_whole_and_in_order_then_the_end_once(senders: int, sizes: list[int], end: str) -> None:
-    ours, theirs = _pair()
-    peer = _Peer()
     want = {s: [_frame(s, i, n) for i, n in enumerate(sizes)] for s in range(senders)}
+    with _channel_and_peer() as (ours, theirs, peer):
 
-    async def run() -> None:
-        reader = LoopReader(asyncio.get_running_loop(), ours, peer.proc.pid, peer.on_frame, peer.on_end)
-        reader.start()
+        async def run() -> None:
+            reader = peer.reader(asyncio.get_running_loop(), ours)
+            reader.start()
 
-        def send(s: int) -> None:
-            for f in want[s]:
-                theirs.send(f)
+            def send(s: int) -> None:
+                for f in want[s]:
+                    theirs.send(f)
 
-        threads = [threading.Thread(target=send, args=(s,)) for s in range(senders)]
-        for t in threads:
-            t.start()
-        await _until(lambda: len(peer.frames) == senders * len(sizes))
-        for t in threads:
-            t.join()
-        assert theirs.flush(30)
-        if end == "exit":  # the engine process ended (its socket still open here)
-            peer.proc.kill()
-        else:  # its end closed
-            theirs.close()
-        await _until(lambda: peer.ends == 1)
-        await asyncio.sleep(0.05)
-        assert not reader.active
+            threads = [threading.Thread(target=send, args=(s,)) for s in range(senders)]
+            for t in threads:
+                t.start()
+            await _until(lambda: len(peer.frames) == senders * len(sizes))
+            for t in threads:
+                t.join()
+            assert theirs.flush(30)
+            if end == "exit":  # the engine process ended (its socket still open here)
+                peer.proc.kill()
+            else:  # its end closed
+                theirs.close()
+            await _until(lambda: peer.ends == 1)
+            await asyncio.sleep(0.05)
+            assert not reader.active
 
-    try:
         asyncio.run(run())
         for s in range(senders):
             assert [f for f in peer.frames if f.startswith(f"{s}:".encode())] == want[s]
         assert peer.ends == 1 and peer.frames_at_end == senders * len(sizes)
-    finally:
-        peer.close()
-        theirs.close()
-        ours.close()
 
 
 def test_frames_sent_just_before_the_peer_exits_are_read_first() -> None:
-    ours, theirs = _pair()
-    peer = _Peer()
+    with _channel_and_peer() as (ours, theirs, peer):
 
-    async def run() -> None:
-        reader = LoopReader(asyncio.get_running_loop(), ours, peer.proc.pid, peer.on_frame, peer.on_end)
-        for i in range(50):
-            theirs.send(_frame(0, i, 5000))
-        peer.proc.kill()
-        peer.proc.wait()
-        reader.start()
-        await _until(lambda: peer.ends == 1)
+        async def run() -> None:
+            reader = peer.reader(asyncio.get_running_loop(), ours)
+            for i in range(50):
+                theirs.send(_frame(0, i, 5000))
+            peer.proc.kill()
+            peer.proc.wait()
+            reader.start()
+            await _until(lambda: peer.ends == 1)
 
-    try:
         asyncio.run(run())
         assert peer.frames == [_frame(0, i, 5000) for i in range(50)] and peer.frames_at_end == 50
-    finally:
-        peer.close()
-        theirs.close()
-        ours.close()
 
 
 def test_a_frame_that_says_stop_ends_the_reading_and_leaves_the_rest() -> None:
-    ours, theirs = _pair()
-    peer = _Peer()
+    with _channel_and_peer() as (ours, theirs, peer):
 
-    async def run() -> LoopReader:
-        reader = LoopReader(asyncio.get_running_loop(), ours, peer.proc.pid, peer.on_frame, peer.on_end)
-        reader.start()
-        for f in (b"a", b"stop", b"b", b"c"):
-            theirs.send(f)
-        await _until(lambda: not reader.active)
-        theirs.send(b"d")
-        await asyncio.sleep(0.05)
-        return reader
+        async def run() -> None:
+            reader = peer.reader(asyncio.get_running_loop(), ours)
+            reader.start()
+            for f in (b"a", b"stop", b"b", b"c"):
+                theirs.send(f)
+            await _until(lambda: not reader.active)
+            theirs.send(b"d")
+            await asyncio.sleep(0.05)
 
-    try:
         asyncio.run(run())
         assert peer.frames == [b"a", b"stop"] and peer.ends == 0
         assert ours.recv(1.0) == [b"b", b"c", b"d"]
-    finally:
-        peer.close()
-        theirs.close()
-        ours.close()
 
 
 def test_stop_from_another_thread_and_on_a_stopped_loop() -> None:
-    ours, theirs = _pair()
-    peer = _Peer()
     loop = asyncio.new_event_loop()
-    try:
-        reader = LoopReader(loop, ours, peer.proc.pid, peer.on_frame, peer.on_end)
-        loop.call_soon(reader.start)
-        runner = threading.Thread(target=loop.run_forever)
-        runner.start()
-        theirs.send(b"x")
-        deadline = time.monotonic() + 10
-        while peer.frames != [b"x"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert reader.stop(5) and not reader.active
-        theirs.send(b"y")  # read by no one on the loop: still in the channel
-        time.sleep(0.05)
-        assert peer.frames == [b"x"] and ours.recv(1.0) == [b"y"]
-        again = LoopReader(loop, ours, peer.proc.pid, peer.on_frame, peer.on_end)
-        loop.call_soon_threadsafe(again.start)
-        deadline = time.monotonic() + 10
-        while not again.active:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(10)
-        assert not again.stop(1) and not again.active  # the loop cannot run it: nothing left registered to run
-    finally:
-        loop.close()
-        peer.close()
-        theirs.close()
-        ours.close()
+    with _channel_and_peer() as (ours, theirs, peer):
+        try:
+            reader = peer.reader(loop, ours)
+            loop.call_soon(reader.start)
+            runner = threading.Thread(target=loop.run_forever)
+            runner.start()
+            theirs.send(b"x")
+            deadline = time.monotonic() + 10
+            while peer.frames != [b"x"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert reader.stop(5) and not reader.active
+            theirs.send(b"y")  # read by no one on the loop: still in the channel
+            time.sleep(0.05)
+            assert peer.frames == [b"x"] and ours.recv(1.0) == [b"y"]
+            again = peer.reader(loop, ours)
+            loop.call_soon_threadsafe(again.start)
+            deadline = time.monotonic() + 10
+            while not again.active:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            loop.call_soon_threadsafe(loop.stop)
+            runner.join(10)
+            assert not again.stop(1) and not again.active  # the loop cannot run it: nothing left registered to run
+        finally:
+            loop.close()
 
 
 @pytest.mark.slow

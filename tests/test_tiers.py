@@ -102,13 +102,18 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     return build_tiny(LlamaConfig, LlamaForCausalLM, tmp_path_factory.mktemp("tiers-dense"))
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_evicted_pages_come_back_from_host_tier(dense: TinyModel, kv_dtype: str) -> None:
-    g = torch.Generator().manual_seed(2)
+def _two_prompts(dense: TinyModel, seed: int) -> tuple[list[int], list[int], int]:
+    """A 70- and a 100-token prompt (5 and 7 of a pool of 8 pages), and the model's page bytes."""
+    g = torch.Generator().manual_seed(seed)
     vocab = dense.config.vocab_size
     a = torch.randint(0, vocab, (70,), generator=g).tolist()
     b = torch.randint(0, vocab, (100,), generator=g).tolist()
-    pb = page_bytes(dense.config)
+    return a, b, page_bytes(dense.config)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_evicted_pages_come_back_from_host_tier(dense: TinyModel, kv_dtype: str) -> None:
+    a, b, pb = _two_prompts(dense, 2)
     e = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, host_cache_bytes=64 * pb, kv_dtype=kv_dtype))
     fresh = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, enable_prefix_caching=False))
     first_logits(e, a)
@@ -128,11 +133,7 @@ def test_pages_cycling_through_the_pool_are_copied_to_the_host_tier_once(dense: 
     host tier and evicts the other. A page the host tier holds already (restored from it, or
     evicted before) is not copied again: every page the host tier holds was copied once, each
     later eviction of it only `kept`, and the logits stay those of a fresh engine."""
-    g = torch.Generator().manual_seed(3)
-    vocab = dense.config.vocab_size
-    a = torch.randint(0, vocab, (70,), generator=g).tolist()
-    b = torch.randint(0, vocab, (100,), generator=g).tolist()
-    pb = page_bytes(dense.config)
+    a, b, pb = _two_prompts(dense, 3)
     e = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, host_cache_bytes=64 * pb))
     fresh = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, enable_prefix_caching=False))
     refs = {0: first_logits(fresh, a)[0], 1: first_logits(fresh, b)[0]}
@@ -155,11 +156,7 @@ def test_idle_engine_copies_free_pages_ahead_so_their_eviction_copies_nothing(de
     batch until none is left (`EngineCore.copy_ahead`); their eviction then copies nothing (each
     only `kept`), they come back from the host tier with the logits of a fresh engine, and the copy
     never drops a page the host tier held: with room for two pages it copies two."""
-    g = torch.Generator().manual_seed(4)
-    vocab = dense.config.vocab_size
-    a = torch.randint(0, vocab, (70,), generator=g).tolist()
-    b = torch.randint(0, vocab, (100,), generator=g).tolist()
-    pb = page_bytes(dense.config)
+    a, b, pb = _two_prompts(dense, 4)
     e = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, host_cache_bytes=64 * pb))
     fresh = Engine(dense.model, None, EngineConfig(kv_cache_bytes=8 * pb, enable_prefix_caching=False))
     assert e.store is not None
