@@ -399,7 +399,7 @@ class EngineCore:
         store = self.store
         if store is None or self.connector is not store or store.host.budget_bytes == 0:
             return False
-        if self.has_unfinished() or not self._inbox.empty():
+        if self.has_unfinished():  # a request arrived, runs, or waits for a tier's pages
             return False
         batch = max(1, COPY_AHEAD_BYTES // self.kv_spec.bytes_per_page)
         return store.copy_ahead(self.pool.next_evicted(COPY_AHEAD_SCAN), batch) > 0

@@ -99,7 +99,7 @@ class Engine(EngineCore, Generates):
                 log.exception("engine step failed")
                 self._fail_all(f"engine error: {e}")
                 busy = False
-            if not busy and (self.scheduler.loading or not self.copy_ahead()):
+            if not busy and not self.copy_ahead():
                 self._wake.wait(timeout=0.002 if self.scheduler.loading else 0.5)
                 self._wake.clear()
 

@@ -251,8 +251,7 @@ class CoreLoop:
         e = self.engine
         while not self.stopping:
             busy = e.has_unfinished()
-            idle_ms = 2 if e.scheduler.loading else IDLE_POLL_MS
-            self._drain(0 if busy or (not e.scheduler.loading and e.copy_ahead()) else idle_ms)
+            self._drain(0 if busy or e.copy_ahead() else (2 if e.scheduler.loading else IDLE_POLL_MS))
             if self.stopping:
                 break
             if e.has_unfinished():
