@@ -191,16 +191,27 @@ def test_decode_kernel_over_random_batches(
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "route"),
+    [(torch.float32, "kernel"), (torch.bfloat16, "kernel"), (torch.bfloat16, "gathered")],
+    ids=["float32", "bfloat16", "bfloat16-gathered"],
+)
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128), (4, 4, 64)], ids=["d64", "d128", "mha"])
-def test_prefill_kernel_over_random_chunks(seed: int, dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
-    """Prefill chunks through `paged_prefill.cpp`: random chunk lengths (tiles of 32 tokens
-    and blocks of 64 keys cut anywhere) after random cached prefixes, shuffled pages, a sliding
-    window on even seeds (the pages before it released), beside decoding sequences in the same
-    step, against float64 attention; the kernel (not SDPA) computed them."""
+def test_prefill_kernel_over_random_chunks(
+    monkeypatch: pytest.MonkeyPatch, seed: int, dtype: torch.dtype, route: str, heads: tuple[int, int, int]
+) -> None:
+    """Prefill chunks through `paged_prefill.cpp`, or (`gathered`, what CPUs with AMX pick for
+    large bf16 chunks, forced here for every chunk) one masked SDPA over each chunk's gathered
+    keys: random chunk lengths (tiles of 32 tokens and blocks of 64 keys cut anywhere) after
+    random cached prefixes, shuffled pages, a sliding window on even seeds (the pages before it
+    released), beside decoding sequences in the same step, against float64 attention; the route
+    named computed them."""
     H, KVH, D = heads
     if cpu_kernel.prefill(dtype, D) is None:
         pytest.skip(f"no {dtype} prefill kernel on this CPU (needs AVX-512): SDPA")
+    gathered = route == "gathered"
+    monkeypatch.setattr(torch_paged, "GATHER_FROM", 1 if gathered else None)
+    monkeypatch.setattr(torch_paged, "GATHER_MIN_QUERIES", 1)
     g = torch.Generator().manual_seed(seed)
     window = None if seed % 2 else int(torch.randint(1, 120, (1,), generator=g))
     B = int(torch.randint(1, 4, (1,), generator=g))
@@ -220,7 +231,7 @@ def test_prefill_kernel_over_random_chunks(seed: int, dtype: torch.dtype, heads:
     backend.plan(meta)
     with torch.profiler.profile() as prof:
         out = backend.forward(0, q, k, v, cache, window)
-    assert any(e.name == "longctx::paged_prefill" for e in prof.events())
+    assert any(e.name == "longctx::paged_prefill" for e in prof.events()) != gathered
     start = 0
     for b, (n, kv, first) in enumerate(zip(q_lens, kv_lens, firsts, strict=True)):
         pages = cache[tables[b].long()].double()

@@ -88,6 +88,16 @@ class _PrefillKernelRead:
 TASKS_PER_THREAD = 4
 MIN_CHUNK = 256
 
+# bf16 prefill chunks of at least GATHER_MIN_QUERIES queries and GATHER_FROM query x key pairs
+# (at most GATHER_MAX: the mask's bytes) run as one masked SDPA over their gathered keys instead
+# of `paged_prefill.cpp`, on CPUs with AMX: torch's flash kernel runs its products on the AMX
+# tiles, 1.5-3x the kernel's VDPBF16PS from 32 queries over 2k keys up (docs/benchmarks.md,
+# "Prefill attention on AMX"); the kernel stays ahead below 16 queries. None: never (CPUs
+# without AMX, where it was not measured faster). `engine.verify.paths.forced` sets these.
+GATHER_FROM: int | None = 16384 if "amx_bf16" in cpu_kernel.cpu_flag_set() else None
+GATHER_MIN_QUERIES = 16
+GATHER_MAX = 1 << 25
+
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch_paged"
@@ -187,14 +197,7 @@ class TorchPagedBackend(AttentionBackend):
         k, v = self._rows(s.pages[first - s.first_page :])
         length = s.kv_len - first * S
         causal = s.q_len == s.kv_len and (window is None or s.kv_len <= window)
-        mask = None
-        if not causal:
-            q_pos = torch.arange(s.kv_len - s.q_len, s.kv_len, device=self.device)[:, None]  # [q, 1]
-            kv_pos = first * S + torch.arange(length, device=self.device)[None, :]  # [1, L]
-            mask = kv_pos <= q_pos
-            if window is not None:
-                mask &= kv_pos > q_pos - window
-        return _Read(k, v, len(s.pages) - (first - s.first_page), 0, length, mask, causal)
+        return _Read(k, v, len(s.pages) - (first - s.first_page), 0, length, None, causal)
 
     def _prefill_kernel_reads(self, window: int | None) -> list[_PrefillKernelRead]:
         if window not in self._kernel_prefills:
@@ -213,6 +216,13 @@ class TorchPagedBackend(AttentionBackend):
                 decode = self._kernel_read(window) if self.use_kernel else self._decode_read(window)
             self._decode_reads[window] = decode
         return self._decode_reads[window]
+
+    def _gathers(self, s: _Seq, dtype: torch.dtype, window: int | None) -> bool:
+        """Whether this prefill chunk takes the gathered, masked SDPA instead of the kernel."""
+        if GATHER_FROM is None or dtype != torch.bfloat16 or self.device.type != "cpu" or s.q_len < GATHER_MIN_QUERIES:
+            return False
+        pairs = s.q_len * (s.kv_len - _first_token(s.kv_len - s.q_len, window))
+        return GATHER_FROM <= pairs <= GATHER_MAX
 
     def _prefills_for(self, window: int | None) -> list[_Read]:
         if window not in self._prefill_reads:
@@ -283,22 +293,22 @@ class TorchPagedBackend(AttentionBackend):
             return decode_group(q)
         prefill = cpu_kernel.prefill(q.dtype, D) if self.use_kernel and q.dtype == cache.dtype else None
         reads = self._prefill_kernel_reads(window) if prefill is not None else []
-        if prefill is not None and decode is None and len(self.prefills) == 1:  # the step is one chunk
+        gathers = [self._gathers(s, q.dtype, window) for s in self.prefills]
+        if prefill is not None and decode is None and len(self.prefills) == 1 and not gathers[0]:  # one chunk
             return prefill(q, cache, reads[0].pages, reads[0].q0, window or 0, self.scale)
         out = torch.empty_like(q)  # [T, H, D]
         if decode is not None and self.decode_rows is not None:
             out[self.decode_rows] = decode_group(q[self.decode_rows])
-        if prefill is not None:
-            for s, kr in zip(self.prefills, reads, strict=True):
-                queries = q[s.q_start : s.q_start + s.q_len]
-                out[s.q_start : s.q_start + s.q_len] = prefill(queries, cache, kr.pages, kr.q0, window or 0, self.scale)
-            return out
-        for s, r in zip(self.prefills, self._prefills_for(window), strict=True):
+        for i, s in enumerate(self.prefills):
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            if prefill is not None and not gathers[i]:
+                out[rows] = prefill(q[rows], cache, reads[i].pages, reads[i].q0, window or 0, self.scale)
+                continue
+            r = self._prefills_for(window)[i]
             keys, values = gather(r, 1)
-            queries = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
-            out[s.q_start : s.q_start + s.q_len] = self._prefill(queries, keys[0], values[0], s, r, window).transpose(
-                0, 1
-            )
+            queries = q[rows].transpose(0, 1)  # [H, q, D]
+            attend = self._gathered if gathers[i] else self._prefill
+            out[rows] = attend(queries, keys[0], values[0], s, r, window).transpose(0, 1)
         return out
 
     def _decode(
@@ -317,6 +327,30 @@ class TorchPagedBackend(AttentionBackend):
             q.reshape(B, KVH, H // KVH, D), keys, values, attn_mask=mask, scale=self.scale
         )  # [B, KVH, G, D]
         return o.reshape(B, H, D)
+
+    def _gathered(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s: _Seq, r: _Read, window: int | None
+    ) -> torch.Tensor:
+        """One bf16 SDPA call over the chunk's gathered keys (`_gathers`), masked unless the
+        chunk is a whole prompt: one softmax over all of them, no partial outputs merged (so
+        no float32 copies, unlike `attend_after_prefix`). queries [H, q, D]; keys, values
+        [KVH, L, D] from the read's first page. Returns [H, q, D]."""
+        mask = None
+        if not r.causal:
+            q_pos = torch.arange(s.kv_len - s.q_len, s.kv_len, device=self.device)[:, None]  # [q, 1]
+            kv_pos = torch.arange(s.kv_len - r.length, s.kv_len, device=self.device)[None, :]  # [1, L]
+            mask = kv_pos <= q_pos
+            if window is not None:
+                mask &= kv_pos > q_pos - window
+        return F.scaled_dot_product_attention(
+            queries[None],
+            keys[None],
+            values[None],
+            attn_mask=mask,
+            is_causal=r.causal,
+            scale=self.scale,
+            enable_gqa=True,
+        )[0]
 
     def _prefill(
         self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s: _Seq, r: _Read, window: int | None

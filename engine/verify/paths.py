@@ -11,8 +11,10 @@ bf16 CPUs' kernels too), by setting the dispatcher's decision points:
   to float32 by its tiles, its prefill-sized products dequantized in float32; the LM head's
   float32-output kernel widening too);
 - attention: `kernel` (`paged_decode.cpp` / `paged_prefill.cpp`, decode keys split into tasks
-  of 32) or `sdpa` (torch's SDPA: causal, after a cached prefix, masked decode; a lone
-  sequence's decode split from 128 keys).
+  of 32), `gathered` (bf16 only: the decode kernel, and every prefill chunk one masked SDPA over
+  its gathered keys, what CPUs with AMX pick for large chunks: `torch_paged.GATHER_FROM`) or
+  `sdpa` (torch's SDPA: causal, after a cached prefix, masked decode; a lone sequence's decode
+  split from 128 keys).
 
 The schedule (`SCHEDULE`) runs two sequences through prefill and decode buckets: a 70-token
 prefill (eager: past the largest bucket), prefill chunks after a cached prefix, mixed steps (a
@@ -42,7 +44,7 @@ from kvstore.kv_cache import KVCache
 from kvstore.spec import KVSpec
 
 LINEARS = ("native", "widened")
-ATTENTIONS = ("kernel", "sdpa")
+ATTENTIONS = ("kernel", "gathered", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class ServingPath:
     def __post_init__(self) -> None:
         assert self.linear in LINEARS and self.attention in ATTENTIONS, self
         assert self.dtype in ("float32", "bfloat16") and self.quantization in ("none", "int8", "int4"), self
+        assert not (self.attention == "gathered" and self.dtype != "bfloat16"), self
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -79,6 +82,7 @@ def forced(path: ServingPath) -> Iterator[None]:
         head.FORCE_WIDENED,
     )
     split, min_chunk = torch_paged.SPLIT_FROM, torch_paged.MIN_CHUNK
+    gather = torch_paged.GATHER_FROM, torch_paged.GATHER_MIN_QUERIES
     try:
         if widened:
             linear.bf16_emulated = lambda: True  # type: ignore[assignment]
@@ -87,10 +91,13 @@ def forced(path: ServingPath) -> Iterator[None]:
             head.FORCE_WIDENED = True
         torch_paged.SPLIT_FROM = 128 if path.attention == "sdpa" else split
         torch_paged.MIN_CHUNK = 32
+        gathered = path.attention == "gathered"
+        torch_paged.GATHER_FROM, torch_paged.GATHER_MIN_QUERIES = (1, 1) if gathered else (None, 1)
         yield
     finally:
         linear.bf16_emulated, quant.BF16_EMULATED, quant.FORCE_WIDENED, head.FORCE_WIDENED = saved  # type: ignore[assignment]
         torch_paged.SPLIT_FROM, torch_paged.MIN_CHUNK = split, min_chunk
+        torch_paged.GATHER_FROM, torch_paged.GATHER_MIN_QUERIES = gather
 
 
 # Steps of the schedule: per step, (sequence, tokens) chunks in order; sequence 0 is the text
