@@ -208,6 +208,13 @@ def linear_int8() -> Callable[..., torch.Tensor] | None:
     return _linear_int8
 
 
+def traced_ops() -> str:
+    """Which of the ops a compiled region may call are loaded in this process (the linears'
+    kernels, and whether int8 multiplies by VNNI): a graph traced without them calls torch's
+    own ops instead, so it is a different graph (`GraphStore.key`)."""
+    return f"linear_bf16={_linear_bf16 is not None} linear_int8={_linear_int8 is not None} vnni={_int8_vnni}"
+
+
 def int8_vnni() -> bool:
     """Whether the loaded int8 kernels multiply by AVX512-VNNI (x's rows quantized to int16, exact
     int32 sums; `linear_bf16.cpp`), unless called with `widen=True`."""

@@ -11,9 +11,12 @@ argument of the region feeds each graph input. The key digests what decides the 
 region function, the source of the model package (`engine/model/*.py` and `*.cpp`, where the
 regions and the linears they call live), the signature of the call's arguments (what dynamo guards on:
 dtypes, shapes, strides, aliasing, constants), the versions of torch and Python, the CPU's
-instruction sets and the C++ compiler. A later start with the same key loads the file: no
-trace, no import of inductor, no FX-cache lookup. Only a graph whose direct call gave exactly
-the outputs of the call through dynamo is stored (`Region.call_and_bind`).
+instruction sets, the C++ compiler, and which of our linear kernels the tracing process had
+loaded (`cpu_kernel.traced_ops`: without them a region traces torch's own ops, e.g.
+`_weight_int8pack_mm` for int8, so such a graph is never bound where the kernels are). A later
+start with the same key loads the file: no trace, no import of inductor, no FX-cache lookup.
+Only a graph whose direct call gave exactly the outputs of the call through dynamo is stored
+(`Region.call_and_bind`).
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ class GraphStore:
             sys.version,
             cpu_kernel.cpu_flags(),
             cpu_kernel.compiler_version(cxx) if cxx else "",
+            cpu_kernel.traced_ops(),
         )
         for part in parts:
             digest.update(part.encode())

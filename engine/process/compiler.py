@@ -53,8 +53,12 @@ def main(argv: list[str]) -> int:
     from engine.loading.model_source import longctx_home
     from engine.model.compile_setup import configure
     from engine.model.compiled import CompiledStep
+    from engine.model_runner import build_kernels
 
     loaded = load(**spec.load)
+    # The kernels the engine's regions call (the int8 and bf16 linears'): traced without them, a
+    # region would call torch's own ops in their place.
+    build_kernels(next(loaded.model.parameters()).device)
     configure(longctx_home())
     step = CompiledStep(loaded.model)
     for b in map(int, buckets):
