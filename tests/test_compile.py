@@ -307,18 +307,18 @@ import json, sys
 from pathlib import Path
 import torch
 from engine.loading.weights import SafetensorsSource, load_model
-from engine.loading.weights import SafetensorsSource, load_model
 from engine.model.compile_setup import configure
 from engine.model.compiled import CompiledStep
 from engine.model.config import ModelConfig
 from engine.model.graph_store import NativeGraph
 from engine.model.quant import QuantConfig
-from engine.model_runner import Chunk
+from engine.model_runner import Chunk, build_kernels
 from kvstore.block_pool import BlockPool
 from tests.tiny_models import make_runner
 
 torch.set_num_threads(1)
 home, graphs, model_dir = map(Path, sys.argv[1:])
+build_kernels(torch.device("cpu"))  # as an engine does before binding (the store's key names them)
 configure(home, graphs)
 config = ModelConfig.from_pretrained_dir(model_dir)
 model, _ = load_model(config, SafetensorsSource(model_dir), torch.float32, progress=False)
