@@ -15,7 +15,7 @@ first tokens compared between the routes.
 Part 3 (`--served-roots OLD,NEW`), as users get it: `longctx serve` (bf16, compiled) from two
 checkouts in turn (e.g. one before the route and this one), through the `openai` client: TTFT of
 a fresh chat prompt of ~2,000 tokens, and of the next turn (the reply and ~32 new tokens: the
-history in the prefix cache), the median of 3 per start.
+history in the prefix cache), the median of `--served-turns` (3) per start.
 
     python bench/prefill_attention.py [--quick] [--threads 2] [--served-roots OLD,.]
         [--out results/prefill_attention.json]
@@ -192,6 +192,7 @@ def served_turns(root: Path, threads: int, redis_url: str, rounds: int = 3) -> d
                 turn = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": follow}]
                 t, _ = await ttft(turn, 8)
                 out["turn"].append(t)
+            await client.close()  # inside the loop: closed after it, its transport would complain
             return out
 
         got = asyncio.run(drive())
@@ -203,6 +204,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--served-roots", default="", help="OLD,NEW checkouts whose `longctx serve` to compare")
+    ap.add_argument("--served-turns", type=int, default=3, help="fresh prompts (each with its next turn) per start")
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "prefill_attention.json"))
     args = ap.parse_args()
@@ -234,7 +236,8 @@ def main() -> None:
     roots = [r for r in args.served_roots.split(",") if r]
     for _ in range(2 if roots else 0):  # each checkout twice, alternating
         for root in roots:
-            served.setdefault(root, []).append(served_turns(Path(root).resolve(), args.threads, args.redis_url))
+            turns_here = served_turns(Path(root).resolve(), args.threads, args.redis_url, args.served_turns)
+            served.setdefault(root, []).append(turns_here)
     for root, starts in served.items():
         per_part = {part: " / ".join(f"{s[part + '_ttft_ms']:.0f}" for s in starts) for part in ("prompt", "turn")}
         cells = ", ".join(f"{part} {ms} ms" for part, ms in per_part.items())
