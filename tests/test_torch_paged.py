@@ -241,3 +241,31 @@ def test_prefill_kernel_over_random_chunks(
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[start : start + n].double(), want, rtol=tol, atol=tol)
         start += n
+
+
+@pytest.mark.parametrize(
+    ("q_len", "kv_len", "window", "dtype", "gathers"),
+    [
+        (32, 2080, None, torch.bfloat16, True),  # a turn's new tokens over a 2k history
+        (512, 8192, None, torch.bfloat16, True),
+        (15, 8192, None, torch.bfloat16, False),  # below 16 queries the kernel is ahead
+        (64, 200, None, torch.bfloat16, False),  # under 16,384 query x key pairs
+        (32, 2080, None, torch.float32, False),  # bf16 only
+        (32, 2080, 100, torch.bfloat16, False),  # the window leaves 131 keys: 4,192 pairs
+        (2048, 20000, None, torch.bfloat16, False),  # past 2^25 pairs (the mask's bytes)
+    ],
+)
+def test_which_prefill_chunks_gather(
+    monkeypatch: pytest.MonkeyPatch, q_len: int, kv_len: int, window: int | None, dtype: torch.dtype, gathers: bool
+) -> None:
+    """The dispatcher's choice on a CPU with AMX (`GATHER_FROM` as such a CPU sets it): the keys a
+    chunk reads (after its window) times its queries decide, within the bounds measured in
+    `bench/prefill_attention.py`."""
+    monkeypatch.setattr(torch_paged, "GATHER_FROM", 16384)
+    monkeypatch.setattr(torch_paged, "GATHER_MIN_QUERIES", 16)
+    pages = torch.arange(-(-kv_len // S), dtype=torch.int32)
+    meta = AttentionMetadata.from_tables([pages], [0], [q_len], [kv_len], S)
+    backend = TorchPagedBackend(H, KVH, D)
+    backend.plan(meta)
+    (seq,) = backend.prefills
+    assert backend._gathers(seq, dtype, window) == gathers
