@@ -24,10 +24,12 @@ history in the prefix cache), the median of `--served-turns` (3) per start.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +40,26 @@ SHAPES = [(16, 2080), (32, 2080), (64, 2080), (32, 8192), (256, 2048), (512, 204
 H, KVH, D, S = 9, 3, 64, 16
 
 
-def _routes() -> dict[str, int | None]:
-    return {"kernel": None, "gathered": 1}
+# Each route as `torch_paged.GATHER_FROM` selects it: never gathered, or every chunk gathered.
+ROUTES: dict[str, int | None] = {"kernel": None, "gathered": 1}
+
+
+@contextlib.contextmanager
+def _route(gather_from: int | None, min_queries: int) -> Iterator[None]:
+    """The dispatcher set to one route while inside; as it was after."""
+    from engine.attention import torch_paged
+
+    saved = torch_paged.GATHER_FROM, torch_paged.GATHER_MIN_QUERIES
+    torch_paged.GATHER_FROM, torch_paged.GATHER_MIN_QUERIES = gather_from, min_queries
+    try:
+        yield
+    finally:
+        torch_paged.GATHER_FROM, torch_paged.GATHER_MIN_QUERIES = saved
 
 
 def attention_calls(rounds: int) -> list[dict[str, Any]]:
     import torch
 
-    from engine.attention import torch_paged
     from engine.attention.base import AttentionMetadata
     from engine.attention.torch_paged import TorchPagedBackend
 
@@ -61,19 +75,19 @@ def attention_calls(rounds: int) -> list[dict[str, Any]]:
         backend.plan(meta)
         backend.forward(0, q, k, v, cache)  # the chunk's own K/V written in, as every later call writes them
         want = _reference(q, cache, table, L)
-        times: dict[str, list[float]] = {r: [] for r in _routes()}
+        times: dict[str, list[float]] = {r: [] for r in ROUTES}
         errors = {}
         for rnd in range(rounds):
-            for route, gather_from in _routes().items():
-                torch_paged.GATHER_FROM, torch_paged.GATHER_MIN_QUERIES = gather_from, 1
-                out = backend.forward(0, q, k, v, cache)
-                if rnd == 0:
-                    errors[route] = ((out.double() - want).abs().max() / want.abs().max()).item()
-                n = 10
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    backend.forward(0, q, k, v, cache)
-                times[route].append((time.perf_counter() - t0) / n * 1e3)
+            for route, gather_from in ROUTES.items():
+                with _route(gather_from, 1):
+                    out = backend.forward(0, q, k, v, cache)
+                    if rnd == 0:
+                        errors[route] = ((out.double() - want).abs().max() / want.abs().max()).item()
+                    n = 10
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        backend.forward(0, q, k, v, cache)
+                    times[route].append((time.perf_counter() - t0) / n * 1e3)
         med = {r: statistics.median(t) for r, t in times.items()}
         rows.append(
             {"queries": T, "keys": L, **{f"{r}_ms": m for r, m in med.items()},
@@ -99,7 +113,6 @@ def _reference(q: Any, cache: Any, table: Any, L: int) -> Any:
 def engine_turns(threads: int, rounds: int) -> dict[str, Any]:
     import torch
 
-    from engine.attention import torch_paged
     from engine.engine import Engine, EngineConfig
     from engine.loading.loader import load
     from engine.model.compile_setup import compile_available
@@ -125,22 +138,20 @@ def engine_turns(threads: int, rounds: int) -> dict[str, Any]:
         return dt, handle.result()[0][0]
 
     first_token(base[:64])  # warm-up
-    times: dict[str, dict[str, list[float]]] = {r: {"prompt": [], "turn": []} for r in _routes()}
-    tokens: dict[str, list[int]] = {r: [] for r in _routes()}
+    times: dict[str, dict[str, list[float]]] = {r: {"prompt": [], "turn": []} for r in ROUTES}
+    tokens: dict[str, list[int]] = {r: [] for r in ROUTES}
     fresh = 1000
     for _ in range(rounds):
-        for route, gather_from in _routes().items():
-            torch_paged.GATHER_FROM = gather_from
-            torch_paged.GATHER_MIN_QUERIES = 16
+        for route, gather_from in ROUTES.items():
             fresh += 1
             history = [fresh, *base[1:2048]]  # its own first token: nothing from the prefix cache
-            dt, t = first_token(history)
-            times[route]["prompt"].append(dt)
-            tokens[route].append(t)
-            dt, t = first_token(history + base[2048:2080])  # the history cached: a chunk of 32
-            times[route]["turn"].append(dt)
-            tokens[route].append(t)
-    torch_paged.GATHER_FROM = 16384
+            with _route(gather_from, 16):  # the dispatcher's smallest chunk
+                dt, t = first_token(history)
+                times[route]["prompt"].append(dt)
+                tokens[route].append(t)
+                dt, t = first_token(history + base[2048:2080])  # the history cached: a chunk of 32
+                times[route]["turn"].append(dt)
+                tokens[route].append(t)
     out: dict[str, Any] = {"compiled": compiled, "threads": threads}
     for route, parts in times.items():
         for part, ts in parts.items():

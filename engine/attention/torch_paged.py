@@ -54,7 +54,7 @@ class _Read:
     n_pages: int  # per sequence (padded)
     start: int  # tokens to drop from the front of the read (B = 1 only)
     length: int  # tokens kept after `start` (B = 1 only; padded reads keep all)
-    mask: torch.Tensor | None  # bool, True = attend: decode [B, 1, 1, L]; None for prefills
+    mask: torch.Tensor | None  # bool, True = attend: decode [B, 1, 1, L]; a gathered prefill's [q, L] once built
     causal: bool  # plain causal attention (prefill of a whole prompt within its window)
 
 
@@ -334,19 +334,19 @@ class TorchPagedBackend(AttentionBackend):
         """One bf16 SDPA call over the chunk's gathered keys (`_gathers`), masked unless the
         chunk is a whole prompt: one softmax over all of them, no partial outputs merged (so
         no float32 copies, unlike `attend_after_prefix`). queries [H, q, D]; keys, values
-        [KVH, L, D] from the read's first page. Returns [H, q, D]."""
-        mask = None
-        if not r.causal:
+        [KVH, L, D] from the read's first page. Returns [H, q, D]. The mask is built by the first
+        layer and kept on the read (the step's reads are per window), not once per layer."""
+        if not r.causal and r.mask is None:
             q_pos = torch.arange(s.kv_len - s.q_len, s.kv_len, device=self.device)[:, None]  # [q, 1]
             kv_pos = torch.arange(s.kv_len - r.length, s.kv_len, device=self.device)[None, :]  # [1, L]
-            mask = kv_pos <= q_pos
+            r.mask = kv_pos <= q_pos
             if window is not None:
-                mask &= kv_pos > q_pos - window
+                r.mask &= kv_pos > q_pos - window
         return F.scaled_dot_product_attention(
             queries[None],
             keys[None],
             values[None],
-            attn_mask=mask,
+            attn_mask=r.mask,
             is_causal=r.causal,
             scale=self.scale,
             enable_gqa=True,

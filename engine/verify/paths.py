@@ -91,8 +91,8 @@ def forced(path: ServingPath) -> Iterator[None]:
             head.FORCE_WIDENED = True
         torch_paged.SPLIT_FROM = 128 if path.attention == "sdpa" else split
         torch_paged.MIN_CHUNK = 32
-        gathered = path.attention == "gathered"
-        torch_paged.GATHER_FROM, torch_paged.GATHER_MIN_QUERIES = (1, 1) if gathered else (None, 1)
+        torch_paged.GATHER_FROM = 1 if path.attention == "gathered" else None
+        torch_paged.GATHER_MIN_QUERIES = 1
         yield
     finally:
         linear.bf16_emulated, quant.BF16_EMULATED, quant.FORCE_WIDENED, head.FORCE_WIDENED = saved  # type: ignore[assignment]
